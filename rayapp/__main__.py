@@ -1,0 +1,3 @@
+from rayapp.cli import main
+
+main()

@@ -1,0 +1,222 @@
+"""The `rayapp` command line. Thin: parse flags, build the spec, call the library."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import click
+
+from rayapp.errors import RayappError
+from rayapp.spec import BACKENDS, SCALINGS, STRATEGIES, SpecError
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int) -> None:
+    click.secho(f"rayapp: error: {message}", err=True, fg="red")
+    sys.exit(code)
+
+
+def friendly_errors(command: Callable) -> Callable:
+    """One line for a person, never a traceback: bad input exits 2, failures 1, Ctrl-C 130."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except SpecError as exc:
+            _fail(str(exc), EXIT_BAD_INPUT)
+        except RayappError as exc:
+            _fail(str(exc), EXIT_FAILED)
+        except KeyboardInterrupt:
+            _fail("interrupted; the cluster was stopped and the MLflow run marked KILLED", EXIT_INTERRUPTED)
+
+    return wrapper
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="rayapp", prog_name="rayapp")
+def main() -> None:
+    """Run PyTorch distributed training on Ray, track it in MLflow, and measure how it scales.
+
+    \b
+    Examples:
+      rayapp submit --nodes 2 jobs/seed_linear.yaml        # embedded 2-node cluster on this machine
+      rayapp submit --nodes 4 --address HEAD:6379 jobs/mlp_synthetic.yaml
+      rayapp runs                                          # recent runs as a table
+      rayapp ui                                            # MLflow UI for the same store
+    """
+
+
+def quiet_library_logs() -> None:
+    """MLflow announces database migrations and Ray its connections at INFO; a person needs neither."""
+    import logging
+
+    for name in ("mlflow", "alembic", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# ---- submit ---------------------------------------------------------------------------
+
+
+def _override_options(command: Callable) -> Callable:
+    """Flags that override the job YAML; each one's help says which field."""
+    options = [
+        click.option("--nodes", type=int, help="Ray nodes to spread workers over [cluster.nodes]."),
+        click.option("--workers-per-node", type=int, help="Training workers on each node [cluster.workers_per_node]."),
+        click.option(
+            "--backend",
+            type=str,
+            help=f"torch.distributed backend: {'|'.join(BACKENDS)}; auto = nccl on GPUs, gloo on CPUs [cluster.backend].",
+        ),
+        click.option("--strategy", type=str, help=f"Parallel strategy: {'|'.join(STRATEGIES)} [train.strategy]."),
+        click.option("--scaling", type=str, help=f"{'|'.join(SCALINGS)} scaling [train.scaling]."),
+        click.option("--epochs", type=int, help="Epochs to train [train.epochs]."),
+        click.option("--batch-size", type=int, help="Per-worker batch, weak scaling [train.batch_size]."),
+        click.option("--global-batch-size", type=int, help="Global batch, strong scaling [train.global_batch_size]."),
+        click.option("--lr", type=float, help="Learning rate [train.lr]."),
+        click.option("--seed", type=int, help="Seed for data, weights and shuffling [train.seed]."),
+        click.option("--experiment", type=str, help="MLflow experiment name [tracking.experiment]."),
+        click.option(
+            "--tracking-uri",
+            type=str,
+            help="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db [tracking.tracking_uri].",
+        ),
+        click.option(
+            "--address",
+            type=str,
+            help="Existing Ray cluster (HOST:PORT or ray://HOST:10001); none starts an embedded one [cluster.address].",
+        ),
+        click.option("--storage-path", type=str, help="Checkpoint storage, shared on real clusters [cluster.storage_path]."),
+        click.option("--max-failures", type=int, help="Worker failures to recover from [cluster.max_failures]."),
+        click.option("--cpus-per-worker", type=int, help="CPUs reserved per worker [cluster.cpus_per_worker]."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+OVERRIDE_FIELDS = {
+    "nodes": "cluster.nodes",
+    "workers_per_node": "cluster.workers_per_node",
+    "backend": "cluster.backend",
+    "strategy": "train.strategy",
+    "scaling": "train.scaling",
+    "epochs": "train.epochs",
+    "batch_size": "train.batch_size",
+    "global_batch_size": "train.global_batch_size",
+    "lr": "train.lr",
+    "seed": "train.seed",
+    "experiment": "tracking.experiment",
+    "tracking_uri": "tracking.tracking_uri",
+    "address": "cluster.address",
+    "storage_path": "cluster.storage_path",
+    "max_failures": "cluster.max_failures",
+    "cpus_per_worker": "cluster.cpus_per_worker",
+}
+
+
+def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any]):
+    """defaults < job YAML < flags; with no YAML, the defaults are the article's loop."""
+    from rayapp.loader import build_spec, load_spec
+
+    overrides = {OVERRIDE_FIELDS[name]: value for name, value in flags.items() if name in OVERRIDE_FIELDS}
+    spec = load_spec(job_yaml, overrides) if job_yaml else build_spec({}, overrides, default_name="seed_linear")
+    if spec.cluster.backend == "nccl" and not spec.cluster.address:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError("cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto")
+    return spec
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("job_yaml", required=False, type=click.Path(dir_okay=False))
+@_override_options
+@click.option(
+    "--schedule-timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to wait for the cluster to have enough nodes (autoscaling) before failing.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Show Ray and worker logs.")
+@friendly_errors
+def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, **flags: Any) -> None:
+    """Train JOB_YAML with Ray Train (TorchTrainer) and log it to MLflow.
+
+    Flags override the job YAML, which overrides the defaults. With no --address,
+    an embedded Ray cluster of --nodes raylets starts on this machine and stops at the end.
+
+    \b
+    Examples:
+      rayapp submit --nodes 2 jobs/seed_linear.yaml
+      rayapp submit --nodes 2 --epochs 3 --experiment trial jobs/mlp_synthetic.yaml
+      rayapp submit --nodes 2 --strategy fsdp jobs/digits_mlp.yaml
+    """
+    from rayapp.driver import SubmitOptions, submit as run_job
+    from rayapp.progress import EpochPrinter
+
+    spec = spec_from_flags(job_yaml, flags)
+    if not verbose:
+        quiet_library_logs()
+    printer = EpochPrinter(spec)
+    result = run_job(
+        spec,
+        SubmitOptions(
+            job_file=job_yaml,
+            schedule_timeout_s=schedule_timeout,
+            verbose=verbose,
+            on_progress=printer.on_epoch,
+            on_status=printer.on_status,
+        ),
+    )
+    printer.done(result)
+
+
+# ---- runs and ui ----------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--experiment", default="rayapp", show_default=True, help="MLflow experiment to list.")
+@click.option("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Runs to show.")
+@friendly_errors
+def runs(experiment: str, tracking_uri: Optional[str], limit: int) -> None:
+    """Table of the most recent runs of an experiment.
+
+    \b
+    Example:
+      rayapp runs --experiment rayapp -n 10
+    """
+    from rayapp.reports import recent_runs_table
+    from rayapp.tracking import resolve_tracking_uri
+
+    recent_runs_table(resolve_tracking_uri(tracking_uri), experiment, limit)
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+@click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True)
+@friendly_errors
+def ui(tracking_uri: Optional[str], port: int) -> None:
+    """Start the MLflow UI on 127.0.0.1 for the tracking store rayapp uses.
+
+    \b
+    Example:
+      rayapp ui --port 5000     # then open http://127.0.0.1:5000
+    """
+    from rayapp.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if not uri.startswith(("sqlite:", "file:", "postgresql", "mysql", "mssql", "/")):
+        raise RayappError(f"--tracking-uri {uri!r} is a tracking server already; open it in a browser instead")
+    click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port} (Ctrl-C to stop)")
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
+    os.execv(sys.executable, command)

@@ -1,0 +1,187 @@
+"""An embedded multi-node Ray cluster on this machine.
+
+Each node is a `ray start --block` process with its own loopback IP (127.0.0.2, 127.0.0.3, …),
+so Ray sees N distinct nodes and Ray Train assigns node_rank 0..N-1 as it would across machines.
+127.0.0.1 itself is not used: Ray rewrites it to the machine's outward address.
+
+Each node runs in a process session of its own; teardown signals exactly those sessions, so
+no other Ray cluster on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rayapp.errors import RayappError
+
+FIRST_NODE_IP_SUFFIX = 2
+NODE_START_TIMEOUT_S = 120.0
+OBJECT_STORE_BYTES = 256 * 2**20
+STOP_TIMEOUT_S = 15.0
+
+
+def node_ip(index: int) -> str:
+    return f"127.0.0.{FIRST_NODE_IP_SUFFIX + index}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _ray_executable() -> str:
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else "ray"
+
+
+@dataclass
+class EmbeddedCluster:
+    """Usage::
+
+        with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
+            ray.init(address=cluster.address, _node_ip_address=cluster.head_ip)
+            cluster.wait_for_nodes()
+    """
+
+    nodes: int
+    cpus_per_node: int
+    include_dashboard: bool = False
+    log_dir: Optional[Path] = None
+    address: str = ""
+    dashboard_url: Optional[str] = None
+    _processes: list[subprocess.Popen] = field(default_factory=list)
+    _temp_dir: Optional[str] = None
+
+    @property
+    def head_ip(self) -> str:
+        return node_ip(0)
+
+    def __enter__(self) -> "EmbeddedCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._temp_dir = tempfile.mkdtemp(prefix="rayapp-")
+        # Node logs outlive the cluster so that a failed start can still be read.
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rayapp-logs-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        port = free_port()
+        self.address = f"{self.head_ip}:{port}"
+        head_args = [
+            "--head",
+            f"--port={port}",
+            f"--temp-dir={self._temp_dir}",
+            f"--include-dashboard={'true' if self.include_dashboard else 'false'}",
+        ]
+        if self.include_dashboard:
+            dashboard_port = free_port()
+            head_args += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+            self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+        self._start_node(0, head_args)
+        self._wait_for_head()
+        for index in range(1, self.nodes):
+            self._start_node(index, [f"--address={self.address}"])
+
+    def _start_node(self, index: int, args: list[str]) -> None:
+        command = [
+            _ray_executable(),
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--node-ip-address={node_ip(index)}",
+            f"--num-cpus={self.cpus_per_node}",
+            "--num-gpus=0",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            *args,
+        ]
+        log = open(self.log_dir / f"node-{index}.log", "w")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        self._processes.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+        )
+        log.close()
+
+    def _check_processes(self) -> None:
+        for index, process in enumerate(self._processes):
+            if process.poll() is not None:
+                raise RayappError(
+                    f"embedded Ray node {index} ({node_ip(index)}) exited with code {process.returncode}; "
+                    f"see {self.log_dir / f'node-{index}.log'}"
+                )
+
+    def _wait_for_head(self) -> None:
+        """Wait until the head's GCS port accepts connections, so ray.init() does not hang on it."""
+        host, port = self.address.split(":")
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_processes()
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise RayappError(f"embedded Ray head did not start within {NODE_START_TIMEOUT_S:.0f}s; see {self.log_dir}")
+
+    def wait_for_nodes(self) -> None:
+        """After ray.init(): poll until every node is alive; fail fast if a `ray start` process died."""
+        import ray
+
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_processes()
+            if sum(1 for node in ray.nodes() if node["Alive"]) >= self.nodes:
+                return
+            time.sleep(0.3)
+        raise RayappError(
+            f"embedded Ray cluster did not reach {self.nodes} nodes within {NODE_START_TIMEOUT_S:.0f}s; "
+            f"see logs in {self.log_dir}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM each `ray start --block` leader, which stops its own daemons in order (seconds;
+        signalling the whole session instead makes each daemon drain on its own, ~30 s). Then
+        SIGKILL whatever is left in those sessions, so nothing outlives the cluster."""
+        for process in reversed(self._processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in reversed(self._processes):
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_session(process, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
+        self._processes.clear()
+        if self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+
+def _signal_session(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

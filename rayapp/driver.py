@@ -1,0 +1,213 @@
+"""The driver: connect to (or start) a Ray cluster, open the MLflow run, build the TorchTrainer, fit.
+
+The driver only builds Ray Train objects and watches; the training itself is in
+:mod:`rayapp.worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from rayapp.cluster import EmbeddedCluster
+from rayapp.errors import RayappError
+from rayapp.preflight import check_capacity, resolve_backend
+from rayapp.spec import JobSpec
+from rayapp.tracking import TAG_CLUSTER, close_run, environment_tags, job_params, open_run, resolve_tracking_uri
+from rayapp.worker import WorkerConfig, train_loop_per_worker
+
+ProgressCallback = Callable[[dict], None]
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    run_id: str
+    experiment: str
+    tracking_uri: str
+    backend: str
+    wall_time_s: float
+    final_metrics: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitOptions:
+    job_file: Optional[str] = None
+    """Recorded as a tag, with the git sha of its directory."""
+    parent_run_id: Optional[str] = None
+    """Nest this run under a sweep's parent run."""
+    schedule_timeout_s: float = 0.0
+    """How long to wait for the cluster to grow to the requested size before failing."""
+    verbose: bool = False
+    """Forward worker and Ray Train logs to this terminal."""
+    on_progress: Optional[ProgressCallback] = None
+    """Called in a background thread with each epoch's metrics from rank 0."""
+    on_status: Optional[Callable[[str], None]] = None
+    """Called with short status lines (cluster starting, workers scheduled...)."""
+
+
+def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitResult:
+    """Run one training job to completion and return where its MLflow run is."""
+    import ray
+
+    submitted_at = time.time()
+    status = options.on_status or (lambda _: None)
+    tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
+    with _ray_cluster(spec, verbose=options.verbose, status=status) as cluster_label:
+        check_capacity(spec, wait_s=options.schedule_timeout_s)
+        backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+        run_id = open_run(
+            tracking_uri=tracking_uri,
+            experiment=spec.tracking.experiment,
+            run_name=f"{spec.name}-n{spec.cluster.nodes}",
+            params=job_params(spec, backend),
+            tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
+            parent_run_id=options.parent_run_id,
+        )
+        outcome = "FAILED"
+        try:
+            with _progress_pump(options.on_progress) as progress_queue:
+                status(f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}")
+                trainer = _build_trainer(
+                    spec,
+                    backend,
+                    WorkerConfig(
+                        spec=spec,
+                        run_id=run_id,
+                        tracking_uri=tracking_uri,
+                        submitted_at=submitted_at,
+                        progress=progress_queue,
+                    ),
+                )
+                result = trainer.fit()
+            outcome = "FINISHED"
+        except KeyboardInterrupt:
+            outcome = "KILLED"
+            raise
+        except Exception as exc:
+            raise RayappError(f"training failed: {_first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
+        finally:
+            close_run(tracking_uri, run_id, outcome)
+    return SubmitResult(
+        run_id=run_id,
+        experiment=spec.tracking.experiment,
+        tracking_uri=tracking_uri,
+        backend=backend,
+        wall_time_s=time.time() - submitted_at,
+        final_metrics=dict(result.metrics or {}),
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person needs."""
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
+
+
+@contextlib.contextmanager
+def _ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None]) -> Iterator[str]:
+    """Connect to spec.cluster.address, or start and finally stop an embedded cluster; yields its label."""
+    import ray
+
+    address = spec.cluster.address
+    try:
+        if address:
+            status(f"connecting to Ray cluster at {address}")
+            try:
+                ray.init(address=address, log_to_driver=verbose, logging_level="ERROR" if not verbose else "INFO")
+            except Exception as exc:  # ConnectionError, timeouts, bad scheme
+                raise RayappError(f"cannot connect to Ray cluster at {address!r}: {_first_line(exc)}") from None
+            yield address
+            return
+        cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
+        status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
+        with EmbeddedCluster(nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node) as cluster:
+            ray.init(
+                address=cluster.address,
+                _node_ip_address=cluster.head_ip,
+                log_to_driver=verbose,
+                logging_level="ERROR" if not verbose else "INFO",
+            )
+            cluster.wait_for_nodes()
+            try:
+                yield "local"
+            finally:
+                ray.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
+    """A Ray queue that rank 0 fills; a driver thread drains it into on_progress."""
+    if on_progress is None:
+        yield None
+        return
+    from ray.util.queue import Empty, Queue
+
+    # num_cpus=0: the queue must never compete with training workers for a CPU slot.
+    queue = Queue(actor_options={"num_cpus": 0})
+    stop = threading.Event()
+
+    def drain() -> None:
+        while True:
+            try:
+                on_progress(queue.get(timeout=0.5))
+            except Empty:
+                if stop.is_set():
+                    return
+            except Exception:  # the queue actor is gone (cluster shutting down)
+                return
+
+    thread = threading.Thread(target=drain, name="rayapp-progress", daemon=True)
+    thread.start()
+    try:
+        yield queue
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            queue.shutdown()
+
+
+def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = backend == "nccl"
+    # One worker per node: STRICT_SPREAD guarantees distinct nodes. Several per node: SPREAD,
+    # with the embedded cluster sized so each node holds exactly workers_per_node of them.
+    placement = "STRICT_SPREAD" if spec.cluster.workers_per_node == 1 else "SPREAD"
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"worker_config": worker_config},
+        scaling_config=ScalingConfig(
+            num_workers=spec.world_size,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": spec.cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            placement_strategy=placement,
+        ),
+        torch_config=TorchConfig(backend=backend),
+        run_config=RunConfig(
+            name=f"{spec.name}-{worker_config.run_id[:8]}",
+            storage_path=_storage_path(spec.cluster.storage_path),
+            failure_config=FailureConfig(max_failures=spec.cluster.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+
+
+def _storage_path(path: str) -> str:
+    """URIs (s3://, gs://) pass through; local paths become absolute for every worker."""
+    if "://" in path:
+        return path
+    resolved = Path(path).expanduser().resolve()
+    resolved.mkdir(parents=True, exist_ok=True)
+    return str(resolved)

@@ -1,0 +1,122 @@
+"""Build a :class:`JobSpec` from defaults < job YAML < command-line overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from rayapp.spec import ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSpec,
+    "data": DataSpec,
+    "train": TrainSpec,
+    "cluster": ClusterSpec,
+    "tracking": TrackingSpec,
+}
+TOP_LEVEL_KEYS = ("name", "description", *SECTIONS)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def read_job_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a job file into a mapping, with one-line errors for anything unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"job file {str(path)!r} does not exist; pass a job YAML such as jobs/seed_linear.yaml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"job file {str(path)!r} cannot be read as UTF-8 text: {exc.__class__.__name__}") from None
+    return parse_job_yaml(text, source=str(path))
+
+
+def parse_job_yaml(text: str, *, source: str = "<job>") -> dict[str, Any]:
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecError(f"job file {source!r} is not valid YAML{where}: {problem}") from None
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise SpecError(
+            f"job file {source!r} must be a mapping of sections ({', '.join(TOP_LEVEL_KEYS)}), "
+            f"not a {type(document).__name__}"
+        )
+    return document
+
+
+def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dict[str, Any]:
+    values = document.get(section) or {}
+    if not isinstance(values, dict):
+        raise SpecError(f"{section}: {values!r} is not accepted; use a mapping of {', '.join(_field_names(cls))}")
+    accepted = _field_names(cls)
+    for key in values:
+        if key not in accepted:
+            raise SpecError(f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
+    values = dict(values)
+    if "hidden" in values and isinstance(values["hidden"], list):
+        values["hidden"] = tuple(values["hidden"])
+    if isinstance(values.get("lr"), str):
+        # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as the number a person meant.
+        try:
+            values["lr"] = float(values["lr"])
+        except ValueError:
+            pass
+    return values
+
+
+def build_spec(
+    document: Mapping[str, Any],
+    overrides: Optional[Mapping[str, Any]] = None,
+    *,
+    default_name: str = "job",
+) -> JobSpec:
+    """Merge a parsed job document with overrides keyed `section.field` (None means "not given").
+
+    Overrides that are None are ignored, so that callers can pass every CLI flag as-is.
+    """
+    for key in document:
+        if not isinstance(key, str) or key not in TOP_LEVEL_KEYS:
+            raise SpecError(f"{key!r}: unknown top-level key; accepted keys are {', '.join(TOP_LEVEL_KEYS)}")
+    sections = {name: _section_values(document, name, cls) for name, cls in SECTIONS.items()}
+    name = document.get("name", default_name)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if dotted == "name":
+            name = value
+            continue
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or key not in _field_names(SECTIONS[section]):
+            raise SpecError(f"override {dotted!r} names no spec field")
+        sections[section][key] = value
+    # Weak scaling states batch_size; strong scaling states global_batch_size. A job file that
+    # switches to strong scaling should not trip over the weak-scaling default.
+    train = sections["train"]
+    if train.get("scaling") == "strong" and "batch_size" not in train:
+        train["batch_size"] = None
+    if train.get("scaling") == "strong" and train.get("batch_size") is not None:
+        raise SpecError(
+            f"train.batch_size: {train['batch_size']!r} is not accepted with scaling strong "
+            "(it is global_batch_size / world_size); set train.global_batch_size (--global-batch-size) instead"
+        )
+    try:
+        built = {name_: cls(**sections[name_]) for name_, cls in SECTIONS.items()}
+        return JobSpec(name=name, **built)
+    except TypeError as exc:  # a value of the wrong shape reached a dataclass
+        raise SpecError(f"job spec is malformed: {exc}") from None
+
+
+def load_spec(path: str | Path, overrides: Optional[Mapping[str, Any]] = None) -> JobSpec:
+    """Read a job YAML and apply overrides; the job name defaults to the file's stem."""
+    document = read_job_yaml(path)
+    return build_spec(document, overrides, default_name=Path(path).stem)

@@ -1,0 +1,68 @@
+"""Checks made before fitting, so impossible requests fail in seconds instead of waiting forever.
+
+Ray Train waits for resources indefinitely (it retries worker-group start timeouts); a job
+asking for 5 nodes on a 2-node cluster would hang. These checks compare the request with what
+the cluster has now, waiting up to a schedule timeout for autoscaling or late nodes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rayapp.errors import RayappError
+from rayapp.spec import JobSpec
+
+
+def resolve_backend(requested: str, *, gpus_in_cluster: float) -> str:
+    """`auto` is nccl when the cluster has GPUs, else gloo; explicit choices are checked."""
+    if requested == "auto":
+        return "nccl" if gpus_in_cluster > 0 else "gloo"
+    if requested == "nccl" and gpus_in_cluster <= 0:
+        raise RayappError("backend 'nccl' needs GPUs, and this cluster has none; use --backend gloo (or auto)")
+    if requested == "mpi":
+        import torch.distributed as dist
+
+        if not dist.is_mpi_available():
+            raise RayappError(
+                "backend 'mpi' is not available: this torch build has no MPI support; build PyTorch from source "
+                "against an MPI library (USE_MPI=1), or use --backend gloo (CPU) / nccl (GPU)"
+            )
+    return requested
+
+
+def shortfall(spec: JobSpec, nodes: list[dict], *, use_gpu: bool) -> str | None:
+    """What the alive nodes lack for the request, in words; None when it fits."""
+    per_node_cpus = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
+    per_node_gpus = spec.cluster.workers_per_node if use_gpu else 0
+    alive = [node for node in nodes if node.get("Alive")]
+    fitting = [
+        node
+        for node in alive
+        if node["Resources"].get("CPU", 0) >= per_node_cpus and node["Resources"].get("GPU", 0) >= per_node_gpus
+    ]
+    if len(fitting) >= spec.cluster.nodes:
+        return None
+    need = f"{per_node_cpus} CPU" + (f" + {per_node_gpus} GPU" if per_node_gpus else "")
+    return (
+        f"--nodes {spec.cluster.nodes} with --workers-per-node {spec.cluster.workers_per_node} needs "
+        f"{spec.cluster.nodes} node(s) with {need} each; the cluster has {len(alive)} alive node(s), "
+        f"{len(fitting)} of them large enough"
+    )
+
+
+def check_capacity(spec: JobSpec, *, wait_s: float = 0.0, poll_s: float = 1.0) -> None:
+    """Raise RayappError naming what is short, after waiting up to wait_s for the cluster to grow."""
+    import ray
+
+    use_gpu = spec.cluster.backend == "nccl" or (
+        spec.cluster.backend == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = shortfall(spec, ray.nodes(), use_gpu=use_gpu)
+        if missing is None:
+            return
+        if time.monotonic() >= deadline:
+            hint = "lower --nodes, or pass --schedule-timeout SECONDS to wait for an autoscaling cluster"
+            raise RayappError(f"{missing}; {hint}")
+        time.sleep(poll_s)

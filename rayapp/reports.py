@@ -1,0 +1,51 @@
+"""Tables of MLflow runs for the terminal."""
+
+from __future__ import annotations
+
+import statistics
+from datetime import datetime
+
+from rich.console import Console
+from rich.table import Table
+
+from rayapp.errors import RayappError
+
+
+def epoch_values(client, run_id: str, key: str) -> list[float]:
+    """A per-epoch metric in epoch order."""
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def steady_median(values: list[float]) -> float | None:
+    """Median excluding the first epoch, which pays for warm-up (allocations, first collectives)."""
+    steady = values[1:] if len(values) > 1 else values
+    return statistics.median(steady) if steady else None
+
+
+def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: Console | None = None) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise RayappError(f"experiment {experiment!r} does not exist in {tracking_uri}; run `rayapp submit` first")
+    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
+    table = Table(title=f"{experiment}: {len(runs)} most recent run(s)")
+    for column in ("run id", "name", "status", "started", "nodes", "world", "strategy", "final loss", "median epoch s", "total s"):
+        table.add_column(column, justify="right" if column in ("nodes", "world", "final loss", "median epoch s", "total s") else "left")
+    for run in runs:
+        params, metrics = run.data.params, run.data.metrics
+        median = steady_median(epoch_values(client, run.info.run_id, "epoch_time_s"))
+        table.add_row(
+            run.info.run_id[:12],
+            run.info.run_name or "",
+            run.info.status,
+            datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
+            params.get("nodes", ""),
+            params.get("world_size", ""),
+            params.get("strategy", ""),
+            f"{metrics['loss']:.5f}" if "loss" in metrics else "",
+            f"{median:.3f}" if median is not None else "",
+            f"{metrics['total_time_s']:.1f}" if "total_time_s" in metrics else "",
+        )
+    (console or Console()).print(table)

@@ -1,0 +1,42 @@
+"""One function per parallel strategy. Each takes a plain model already on its device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rayapp.timing import CommTimer, timed_allreduce_hook
+
+
+def apply_ddp(model: nn.Module, *, device: torch.device, comm_timer: CommTimer) -> nn.Module:
+    """Replicate the model; gradients are averaged by a timed all-reduce hook."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp_model = DistributedDataParallel(model, device_ids=device_ids)
+    ddp_model.register_comm_hook(None, timed_allreduce_hook(comm_timer))
+    return ddp_model
+
+
+def apply_fsdp(model: nn.Module, *, device: torch.device) -> nn.Module:
+    """Shard parameters, gradients and optimizer state (FSDP2 `fully_shard`).
+
+    Works with NCCL on GPUs and Gloo on CPUs. Each Linear layer becomes its own
+    shard unit so that only one layer's full parameters exist at a time; the root
+    call then covers whatever is left (e.g. a bare nn.Linear).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module is not model:
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds: the whole model under DDP, its shard under FSDP."""
+    total = 0
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        total += local.numel() * local.element_size()
+    return total

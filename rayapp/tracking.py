@@ -1,0 +1,189 @@
+"""MLflow tracking: the names later reports rely on, and the loggers that write them.
+
+The driver opens one run per job (params, tags, final status); during training only
+rank 0 writes to it, through :class:`RunLogger`; other ranks get a :class:`NullLogger`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Mapping, Optional
+
+from rayapp.spec import JobSpec
+
+EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s", "peak_mem_mb")
+FINAL_METRICS = ("total_time_s", "time_to_first_step_s", "param_bytes_per_rank")
+TAG_NODE_IDS = "rayapp.node_ids"
+TAG_NODE_IPS = "rayapp.node_ips"
+TAG_CLUSTER = "rayapp.cluster"
+TAG_ATTEMPTS = "rayapp.attempts"
+TAG_PARENT = "mlflow.parentRunId"
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def resolve_tracking_uri(uri: Optional[str]) -> str:
+    """Flag or job > $MLFLOW_TRACKING_URI > ./mlflow.db, with relative SQLite paths made absolute.
+
+    Ray workers do not run in the submitter's directory, so a relative path would
+    point each of them at a different, empty store.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def default_artifact_location(tracking_uri: str) -> Optional[str]:
+    """Artifacts of a SQLite store live beside the database file, not in whichever cwd made them."""
+    prefix = "sqlite:///"
+    if tracking_uri.startswith(prefix):
+        return Path(tracking_uri[len(prefix):]).parent.joinpath("mlartifacts").as_uri()
+    return None
+
+
+def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
+    return {
+        "job": spec.name,
+        "nodes": str(spec.cluster.nodes),
+        "workers_per_node": str(spec.cluster.workers_per_node),
+        "world_size": str(spec.world_size),
+        "backend": backend,
+        "strategy": spec.train.strategy,
+        "epochs": str(spec.train.epochs),
+        "batch_size": str(spec.batch_size_per_worker),
+        "global_batch_size": str(spec.global_batch_size),
+        "lr": str(spec.train.lr),
+        "seed": str(spec.train.seed),
+        "scaling": spec.train.scaling,
+        "optimizer": spec.train.optimizer,
+        "model": spec.model.kind + (f"{list(spec.model.hidden)}" if spec.model.hidden else ""),
+        "data": spec.data.kind,
+        "steps_per_epoch": str(spec.steps_per_epoch),
+        "train_samples": str(spec.num_train_samples),
+    }
+
+
+def environment_tags(job_file: Optional[str]) -> dict[str, str]:
+    import mlflow
+    import ray
+    import torch
+
+    tags = {
+        "rayapp.torch_version": torch.__version__,
+        "rayapp.ray_version": ray.__version__,
+        "rayapp.mlflow_version": mlflow.__version__,
+        "rayapp.python_version": platform.python_version(),
+    }
+    if job_file:
+        tags["rayapp.job_file"] = str(job_file)
+        sha = _git_sha(Path(job_file).resolve().parent)
+        if sha:
+            tags["mlflow.source.git.commit"] = sha
+            tags["rayapp.git_sha"] = sha
+    return tags
+
+
+def _git_sha(directory: Path) -> Optional[str]:
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri))
+
+
+def open_run(
+    *,
+    tracking_uri: str,
+    experiment: str,
+    run_name: str,
+    params: Mapping[str, str],
+    tags: Mapping[str, str],
+    parent_run_id: Optional[str] = None,
+) -> str:
+    """Create a RUNNING run with its params and tags; returns its id."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = get_or_create_experiment(client, experiment, tracking_uri)
+    all_tags = dict(tags)
+    if parent_run_id:
+        all_tags[TAG_PARENT] = parent_run_id
+    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+    return run.info.run_id
+
+
+def close_run(tracking_uri: str, run_id: str, status: str) -> None:
+    """status: FINISHED, FAILED or KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+
+
+class NullLogger:
+    """What every rank but 0 gets: logging calls that do nothing."""
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+        pass
+
+    def logged_epochs(self) -> set[int]:
+        return set()
+
+
+class RunLogger(NullLogger):
+    """Rank 0's writer to the job's run: one batched request per epoch."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        self.log_metrics(metrics, step=epoch)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+        self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+        self._client.log_artifact(self.run_id, path, artifact_path)
+
+    def logged_epochs(self) -> set[int]:
+        """Epochs whose loss is already in the run: a resumed job skips re-logging them."""
+        return {m.step for m in self._client.get_metric_history(self.run_id, "loss")}

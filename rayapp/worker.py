@@ -1,0 +1,249 @@
+"""The training loop every Ray Train worker runs.
+
+Ray Train has already formed the torch.distributed process group (NCCL or Gloo) when
+:func:`train_loop_per_worker` starts. Read it top to bottom: set-up, resume, the epoch
+loop (timing and logging marked), then the end-of-run records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from rayapp.data import build_datasets
+from rayapp.models import build_loss, build_model, build_optimizer
+from rayapp.spec import JobSpec
+from rayapp.strategies import apply_ddp, apply_fsdp, local_parameter_bytes
+from rayapp.timing import CommTimer, Stopwatch, synchronize
+from rayapp.tracking import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
+
+CHECKPOINT_FILE = "state.pt"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the driver hands to each worker; Ray pickles it once per worker."""
+
+    spec: JobSpec
+    run_id: str
+    tracking_uri: str
+    submitted_at: float
+    """Driver wall clock at submission, for time_to_first_step_s."""
+    progress: Any = None
+    """A ray.util.queue.Queue that rank 0 feeds with per-epoch progress, or None."""
+
+
+def train_loop_per_worker(config: dict) -> None:
+    worker_config: WorkerConfig = config["worker_config"]
+    spec = worker_config.spec
+    loop_started = time.perf_counter()
+
+    import ray.train
+    from ray.train.torch import get_device
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = get_device()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    logger = RunLogger(worker_config.tracking_uri, worker_config.run_id) if rank == 0 else NullLogger()
+
+    # -- set-up: data, model, strategy, optimizer
+    datasets = build_datasets(spec)
+    sampler = DistributedSampler(
+        datasets.train, num_replicas=world_size, rank=rank, shuffle=True, seed=spec.train.seed, drop_last=True
+    )
+    loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
+    model = build_model(spec).to(device)
+    comm_timer = CommTimer()
+    if spec.train.strategy == "fsdp":
+        model = apply_fsdp(model, device=device)
+    else:
+        model = apply_ddp(model, device=device, comm_timer=comm_timer)
+    optimizer = build_optimizer(spec, model)
+    loss_fn = build_loss(spec)
+
+    # -- resume: a restarted worker group continues from the last checkpoint, in the same MLflow run
+    start_epoch, history, attempt = 0, [], 1
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        _load_state(model, optimizer, state)
+        start_epoch, history, attempt = state["epoch"] + 1, state["history"], state["attempt"] + 1
+    _record_placement(logger, world_size, attempt=attempt)
+    if history:
+        # Epochs checkpointed before a failure but whose metrics never reached MLflow.
+        already = logger.logged_epochs() if rank == 0 else set()
+        for epoch, metrics in enumerate(history):
+            if epoch not in already:
+                logger.log_epoch(epoch, metrics)
+
+    first_step_done = start_epoch > 0
+    samples_per_epoch = spec.steps_per_epoch * spec.batch_size_per_worker * world_size
+    for epoch in range(start_epoch, spec.train.epochs):
+        sampler.set_epoch(epoch)
+        data_watch, compute_watch = Stopwatch(device), Stopwatch(device)
+        loss_sum = torch.zeros((), device=device)
+        comm_timer.take_total_s()  # drop anything recorded outside this epoch
+        synchronize(device)
+        epoch_started = time.perf_counter()
+
+        data_watch.start()
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            data_watch.stop()
+
+            compute_watch.start()
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            compute_watch.stop()
+
+            if not first_step_done:
+                first_step_done = True
+                logger.log_metrics({"time_to_first_step_s": time.time() - worker_config.submitted_at})
+            data_watch.start()
+        data_watch.stop()
+        synchronize(device)
+        epoch_time = time.perf_counter() - epoch_started
+
+        # -- timing and logging: loss averaged over ranks; times are the slowest rank's
+        comm_time = comm_timer.take_total_s() if spec.train.strategy == "ddp" else float("nan")
+        mean_loss = _all_reduce_mean(loss_sum / spec.steps_per_epoch, world_size)
+        epoch_time, compute_time, data_time, comm_time, peak_mem = _all_reduce_max(
+            [epoch_time, compute_watch.total_s, data_watch.total_s, comm_time, _peak_memory_mb(device)], device
+        )
+        metrics = {
+            "loss": mean_loss,
+            "epoch_time_s": epoch_time,
+            "samples_per_s": samples_per_epoch / epoch_time,
+            "compute_time_s": compute_time,
+            "comm_time_s": comm_time,
+            "data_time_s": data_time,
+            "peak_mem_mb": peak_mem,
+        }
+        if datasets.test is not None:
+            metrics["test_accuracy"] = _accuracy(model, datasets.test, device)
+        history.append(metrics)
+
+        # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
+        _report_with_checkpoint(model, optimizer, epoch=epoch, history=history, run_id=worker_config.run_id, attempt=attempt, rank=rank)
+        logger.log_epoch(epoch, metrics)
+        if rank == 0 and worker_config.progress is not None:
+            worker_config.progress.put_nowait({"epoch": epoch, **metrics})
+
+    # -- end of run
+    finals = {"total_time_s": time.perf_counter() - loop_started, "param_bytes_per_rank": local_parameter_bytes(model)}
+    logger.log_metrics(finals, step=spec.train.epochs - 1)
+    state = _state_dict(model, optimizer)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as directory:
+            model_path = os.path.join(directory, "model_state_dict.pt")
+            torch.save(state["model"], model_path)
+            logger.log_artifact(model_path, "model")
+            spec_path = os.path.join(directory, "job_spec.json")
+            with open(spec_path, "w") as handle:
+                json.dump(_spec_as_dict(spec), handle, indent=2)
+            logger.log_artifact(spec_path)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _record_placement(logger, world_size: int, *, attempt: int) -> None:
+    """Every rank says which Ray node it runs on; rank 0 records the list in rank order."""
+    import ray
+
+    mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+    placements: list[Optional[tuple[str, str]]] = [None] * world_size
+    dist.all_gather_object(placements, mine)
+    logger.set_tags(
+        {
+            TAG_NODE_IDS: ",".join(p[0] for p in placements),
+            TAG_NODE_IPS: ",".join(p[1] for p in placements),
+            TAG_ATTEMPTS: str(attempt),
+        }
+    )
+
+
+def _all_reduce_mean(value: torch.Tensor, world_size: int) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return (value / world_size).item()
+
+
+def _all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, test_set, device: torch.device) -> float:
+    # Every rank evaluates (FSDP needs all ranks in the forward pass); the set is small.
+    inputs, labels = test_set.tensors
+    predictions = model(inputs.to(device)).argmax(dim=1)
+    return (predictions == labels.to(device)).float().mean().item()
+
+
+def _state_dict(model, optimizer) -> dict:
+    """Full (unsharded) model and optimizer state on CPU; a collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _load_state(model, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_id: str, attempt: int, rank: int) -> None:
+    """Every rank reports once per epoch (Ray Train requires equal counts); rank 0 attaches the checkpoint."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    state = _state_dict(model, optimizer)
+    metrics = {"epoch": epoch, **history[-1]}
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        state.update(epoch=epoch, history=history, run_id=run_id, attempt=attempt)
+        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
+
+
+def _spec_as_dict(spec: JobSpec) -> dict:
+    from dataclasses import asdict
+
+    return asdict(spec)

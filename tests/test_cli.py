@@ -1,0 +1,75 @@
+"""The CLI's contract for people: help with examples, one-line errors, exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from rayapp.cli import main
+
+from conftest import JOBS, has_cuda
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_help_has_examples():
+    for args in ([], ["submit"], ["runs"], ["ui"]):
+        result = invoke(*args, "-h")
+        assert result.exit_code == 0
+        assert "Example" in result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nodes", "0"], "cluster.nodes: 0 is not accepted; use a whole number >= 1"),
+        (["--nodes", "-3"], "cluster.nodes: -3"),
+        (["--backend", "tcp"], "cluster.backend: 'tcp' is not accepted; use one of: auto, nccl, gloo, mpi"),
+        (["--strategy", "pipeline"], "train.strategy: 'pipeline' is not accepted"),
+        (["--epochs", "0"], "train.epochs: 0"),
+        (["--lr", "0"], "train.lr: 0.0"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args, message):
+    result = invoke("submit", str(JOBS / "seed_linear.yaml"), *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_job_file_exit_2(tmp_path):
+    result = invoke("submit", str(tmp_path / "missing.yaml"))
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
+
+
+def test_malformed_yaml_exit_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: {epochs: 3\n")
+    result = invoke("submit", str(path))
+    assert result.exit_code == 2
+    assert "not valid YAML" in result.output
+
+
+def test_unknown_yaml_key_exit_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  learning_rate: 0.1\n")
+    result = invoke("submit", str(path))
+    assert result.exit_code == 2
+    assert "train.learning_rate: unknown key" in result.output
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU error")
+def test_nccl_without_gpu_exit_2():
+    result = invoke("submit", str(JOBS / "seed_linear.yaml"), "--backend", "nccl")
+    assert result.exit_code == 2
+    assert "'nccl' is not accepted on this machine (no CUDA GPU)" in result.output
+
+
+def test_runs_on_missing_experiment_is_one_line(tmp_path):
+    result = invoke("runs", "--tracking-uri", f"sqlite:///{tmp_path / 'empty.db'}", "--experiment", "nothing")
+    assert result.exit_code == 1
+    assert "experiment 'nothing' does not exist" in result.output

@@ -1,0 +1,72 @@
+"""`rayapp submit` end to end: a real embedded 2-node Ray cluster and a real MLflow SQLite store."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayapp.tracking import EPOCH_METRICS, TAG_CLUSTER, TAG_NODE_IDS, TAG_NODE_IPS
+
+from conftest import JOBS, mlflow_client, only_run, run_rayapp
+
+pytestmark = pytest.mark.integration
+
+EXPECTED_PARAMS = {
+    "job", "nodes", "workers_per_node", "world_size", "backend", "strategy", "epochs",
+    "batch_size", "global_batch_size", "lr", "seed", "scaling",
+}
+
+
+def assert_one_value_per_epoch(client, run_id: str, epochs: int, keys=EPOCH_METRICS) -> None:
+    for key in keys:
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert steps == list(range(epochs)), f"{key}: logged at steps {steps}"
+
+
+def test_seed_linear_on_two_nodes(workdir):
+    result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    # Progress on the submitting terminal: every epoch, then the run id.
+    assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.run_id in result.stdout
+    assert run.info.status == "FINISHED"
+
+    params = run.data.params
+    assert EXPECTED_PARAMS <= set(params)
+    assert (params["job"], params["nodes"], params["world_size"], params["backend"]) == ("seed_linear", "2", "2", "gloo")
+    assert (params["batch_size"], params["global_batch_size"], params["scaling"]) == ("64", "128", "weak")
+
+    tags = run.data.tags
+    node_ids = tags[TAG_NODE_IDS].split(",")
+    assert len(node_ids) == 2 and len(set(node_ids)) == 2, node_ids
+    assert sorted(tags[TAG_NODE_IPS].split(",")) == ["127.0.0.2", "127.0.0.3"]
+    assert tags[TAG_CLUSTER] == "local"
+    assert "rayapp.torch_version" in tags and "rayapp.ray_version" in tags
+
+    assert_one_value_per_epoch(client, run.info.run_id, 2)
+    for key in ("total_time_s", "time_to_first_step_s"):
+        assert run.data.metrics[key] > 0
+    comm = [m.value for m in client.get_metric_history(run.info.run_id, "comm_time_s")]
+    epoch = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
+    assert all(0 < c < e for c, e in zip(comm, epoch)), (comm, epoch)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert "model/model_state_dict.pt" in artifacts
+
+
+def test_mlp_loss_falls_on_two_nodes(workdir):
+    result = run_rayapp("submit", "--nodes", "2", "--epochs", "3", str(JOBS / "mlp_synthetic.yaml"), cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)]
+    assert len(losses) == 3
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert run.data.params["global_batch_size"] == "256" and run.data.params["batch_size"] == "128"
+
+
+def test_digits_learns_real_data(workdir):
+    result = run_rayapp("submit", "--nodes", "1", "--epochs", "8", str(JOBS / "digits_mlp.yaml"), cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = only_run(mlflow_client(workdir))
+    assert run.data.metrics["test_accuracy"] > 0.85
