@@ -220,3 +220,101 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
     click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port} (Ctrl-C to stop)")
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
     os.execv(sys.executable, command)
+
+
+# ---- bench and compare ----------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("job_yaml", type=click.Path(dir_okay=False))
+@click.option("--nodes", "node_list", required=True, help="Cluster sizes to run, comma-separated, e.g. 1,2,4.")
+@click.option("--scaling", type=str, help=f"{'|'.join(SCALINGS)} scaling [train.scaling].")
+@click.option("--epochs", type=int, help="Epochs per run [train.epochs].")
+@click.option("--workers-per-node", type=int, help="Training workers on each node [cluster.workers_per_node].")
+@click.option("--strategy", type=str, help=f"{'|'.join(STRATEGIES)} [train.strategy].")
+@click.option("--backend", type=str, help=f"{'|'.join(BACKENDS)} [cluster.backend].")
+@click.option("--global-batch-size", type=int, help="Global batch, strong scaling [train.global_batch_size].")
+@click.option("--experiment", type=str, help="MLflow experiment for the parent and child runs [tracking.experiment].")
+@click.option("--tracking-uri", type=str, help="MLflow tracking URI [tracking.tracking_uri].")
+@click.option("--address", type=str, help="Existing Ray cluster; none starts an embedded one per size [cluster.address].")
+@click.option("--storage-path", type=str, help="Checkpoint storage [cluster.storage_path].")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Where to save the scaling plot PNG.")
+@click.option("--schedule-timeout", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds to wait for enough nodes before each run fails.")
+@friendly_errors
+def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_timeout: float, **flags: Any) -> None:
+    """Run JOB_YAML once per cluster size and compare: nested MLflow runs, a table and a plot.
+
+    All runs go into one experiment under a parent run; the parent gets the comparison
+    (scaling.md/.csv/.json) and the plot (scaling.png) as artifacts.
+
+    \b
+    Examples:
+      rayapp bench jobs/mlp_synthetic.yaml --nodes 1,2            # strong scaling
+      rayapp bench jobs/seed_linear.yaml --nodes 1,2 --epochs 3   # the article's loop (weak)
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rayapp.compare import render
+    from rayapp.driver import SubmitOptions
+    from rayapp.progress import EpochPrinter
+    from rayapp.sweep import parse_sizes, run_sweep
+
+    sizes = parse_sizes(node_list)
+    # Validate every size up front, so a bad combination fails before any run starts.
+    specs = {n: spec_from_flags(job_yaml, {**flags, "nodes": n}) for n in sizes}
+    quiet_library_logs()
+    console = Console(highlight=False)
+    with Progress(
+        TextColumn("[bold]sweep[/bold] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+        TimeElapsedColumn(), console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("", total=len(sizes))
+        printer = EpochPrinter(specs[sizes[0]], console=progress.console)
+        result = run_sweep(
+            specs[sizes[0]],
+            sizes,
+            job_file=job_yaml,
+            options=SubmitOptions(
+                schedule_timeout_s=schedule_timeout, on_progress=printer.on_epoch, on_status=printer.on_status
+            ),
+            on_size_start=lambda n: progress.update(task, description=f"{n} node(s)"),
+            on_size_done=lambda n, r: progress.advance(task),
+            plot_path=plot_path,
+        )
+    console.print(render(result.summaries, "table"))
+    console.print(f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} and logged as scaling.png")
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("run_ids", nargs=-1)
+@click.option("--experiment", help="Compare the finished rayapp runs of this experiment (default: rayapp).")
+@click.option("--parent", "parent_run_id", help="Only the child runs of this sweep's parent run.")
+@click.option("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also save the scaling plot PNG here.")
+@friendly_errors
+def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: Optional[str], tracking_uri: Optional[str],
+            fmt: str, plot_path: Optional[str]) -> None:
+    """Compare runs: epoch time, speedup, scaling efficiency, comm share, and the ideal beside the measured.
+
+    \b
+    Examples:
+      rayapp compare --experiment rayapp
+      rayapp compare 3f2a... 9c1b... --format markdown
+      rayapp compare --parent <sweep parent run id> --plot scaling.png
+    """
+    from rayapp.compare import load_summaries, render
+    from rayapp.tracking import resolve_tracking_uri
+
+    if run_ids and (experiment or parent_run_id):
+        raise SpecError("give RUN_IDs or --experiment/--parent, not both")
+    summaries = load_summaries(
+        resolve_tracking_uri(tracking_uri), experiment=experiment or "rayapp", run_ids=run_ids, parent_run_id=parent_run_id
+    )
+    click.echo(render(summaries, fmt), nl=False)
+    if plot_path:
+        from rayapp.plot import scaling_plot
+
+        click.echo(f"plot saved to {scaling_plot(summaries, plot_path)}", err=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +26,10 @@ from typing import Optional
 
 from rayapp.errors import RayappError
 
+# Ray enables token authentication for local clusters. One token per driver process: Ray's
+# client caches the token it first loads, so every embedded cluster this process starts
+# (a sweep starts several) must share it.
+_PROCESS_TOKEN = secrets.token_hex(32)
 FIRST_NODE_IP_SUFFIX = 2
 NODE_START_TIMEOUT_S = 120.0
 OBJECT_STORE_BYTES = 256 * 2**20
@@ -51,6 +56,7 @@ class EmbeddedCluster:
     """Usage::
 
         with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
+            cluster.prepare_client()
             ray.init(address=cluster.address, _node_ip_address=cluster.head_ip)
             cluster.wait_for_nodes()
     """
@@ -63,6 +69,25 @@ class EmbeddedCluster:
     dashboard_url: Optional[str] = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
     _temp_dir: Optional[str] = None
+
+    @property
+    def auth_env(self) -> dict[str, str]:
+        """Environment a client needs to connect: set it in os.environ before ray.init()."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _PROCESS_TOKEN}
+
+    def prepare_client(self) -> None:
+        """Point this process's Ray client at the cluster's token, before ray.init().
+
+        Ray caches auth state in the process after its first ray.init(); a second cluster in the
+        same process (a sweep) is refused unless that cache is reset.
+        """
+        os.environ.update(self.auth_env)
+        try:
+            from ray._raylet import AuthenticationTokenLoader, Config
+        except ImportError:  # Ray without token auth: nothing cached
+            return
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
     @property
     def head_ip(self) -> str:
@@ -115,7 +140,7 @@ class EmbeddedCluster:
             *args,
         ]
         log = open(self.log_dir / f"node-{index}.log", "w")
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env)
         self._processes.append(
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)

@@ -129,12 +129,19 @@ def _ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None])
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
         status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
         with EmbeddedCluster(nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node) as cluster:
-            ray.init(
-                address=cluster.address,
-                _node_ip_address=cluster.head_ip,
-                log_to_driver=verbose,
-                logging_level="ERROR" if not verbose else "INFO",
-            )
+            cluster.prepare_client()
+            try:
+                ray.init(
+                    address=cluster.address,
+                    _node_ip_address=cluster.head_ip,
+                    log_to_driver=verbose,
+                    logging_level="ERROR" if not verbose else "INFO",
+                )
+            except Exception as exc:
+                raise RayappError(
+                    f"cannot connect to the embedded Ray cluster at {cluster.address}: {_first_line(exc)}; "
+                    f"node logs are in {cluster.log_dir}"
+                ) from None
             cluster.wait_for_nodes()
             try:
                 yield "local"
