@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -18,6 +19,8 @@ SECTIONS: dict[str, type] = {
     "tracking": TrackingSpec,
 }
 TOP_LEVEL_KEYS = ("name", "description", *SECTIONS)
+STORAGE_PATH_ENV = "RAYAPP_STORAGE_PATH"
+"""Default for cluster.storage_path when the job does not set it (below flags and the job YAML)."""
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -88,6 +91,9 @@ def build_spec(
         if not isinstance(key, str) or key not in TOP_LEVEL_KEYS:
             raise SpecError(f"{key!r}: unknown top-level key; accepted keys are {', '.join(TOP_LEVEL_KEYS)}")
     sections = {name: _section_values(document, name, cls) for name, cls in SECTIONS.items()}
+    # Cluster images export the shared checkpoint location once, for every job run there.
+    if os.environ.get(STORAGE_PATH_ENV) and "storage_path" not in sections["cluster"]:
+        sections["cluster"]["storage_path"] = os.environ[STORAGE_PATH_ENV]
     name = document.get("name", default_name)
     for dotted, value in (overrides or {}).items():
         if value is None:

@@ -58,11 +58,32 @@ def check_capacity(spec: JobSpec, *, wait_s: float = 0.0, poll_s: float = 1.0) -
         spec.cluster.backend == "auto" and ray.cluster_resources().get("GPU", 0) > 0
     )
     deadline = time.monotonic() + wait_s
+    asked_autoscaler = False
     while True:
         missing = shortfall(spec, ray.nodes(), use_gpu=use_gpu)
         if missing is None:
+            if asked_autoscaler:
+                _request_bundles(None)
             return
+        if wait_s > 0 and not asked_autoscaler:
+            # An autoscaling cluster only grows for demand it sees; the job's placement group
+            # does not exist yet, so state the demand explicitly.
+            _request_bundles(spec, use_gpu=use_gpu)
+            asked_autoscaler = True
         if time.monotonic() >= deadline:
             hint = "lower --nodes, or pass --schedule-timeout SECONDS to wait for an autoscaling cluster"
             raise RayappError(f"{missing}; {hint}")
         time.sleep(poll_s)
+
+
+def _request_bundles(spec: JobSpec | None, *, use_gpu: bool = False) -> None:
+    """Ask the autoscaler for one bundle per node (None clears the request). No-op without an autoscaler."""
+    from ray.autoscaler.sdk import request_resources
+
+    if spec is None:
+        request_resources(bundles=[])
+        return
+    bundle = {"CPU": spec.cluster.workers_per_node * spec.cluster.cpus_per_worker}
+    if use_gpu:
+        bundle["GPU"] = spec.cluster.workers_per_node
+    request_resources(bundles=[bundle] * spec.cluster.nodes)

@@ -332,7 +332,11 @@ def gcp_ingress_problems(config: Config) -> list[str]:
             problems.append(f"{where} is for network {rule.get('network')!r}, not the nodes' {sorted(networks)}")
         if rule.get("direction", "INGRESS").upper() != "INGRESS" or rule.get("disabled"):
             continue
-        if not any(is_world(source) for source in rule.get("sourceRanges", [])):
+        # A rule naming no source at all applies to every source (0.0.0.0/0).
+        sources = rule.get("sourceRanges") or (
+            [] if rule.get("sourceTags") or rule.get("sourceServiceAccounts") else ["0.0.0.0/0"]
+        )
+        if not any(is_world(source) for source in sources):
             continue
         for allowed in rule.get("allowed", []):
             protocol = str(allowed.get("IPProtocol", "")).lower()
@@ -753,6 +757,11 @@ BAD_LAUNCHER_CASES = {
         "gcp-gpu.yaml",
         ingress_problems,
         lambda c: c["metadata"]["gcp_firewall_rules"][1].update(sourceRanges=["0.0.0.0/0"]),
+    ),
+    "GCP rule without a source range, so open to all": (
+        "gcp-gpu.yaml",
+        ingress_problems,
+        lambda c: c["metadata"]["gcp_firewall_rules"][1].pop("sourceRanges"),
     ),
     "GCP nodes on the default network": (
         "gcp-gpu.yaml",
