@@ -26,9 +26,10 @@ class EpochPrinter:
             f"epoch {metrics['epoch'] + 1:>{len(str(epochs))}}/{epochs}  "
             f"loss {metrics['loss']:.5f}  "
             f"time {metrics['epoch_time_s']:.2f}s  "
-            f"{metrics['samples_per_s']:,.0f} samples/s  "
-            f"comm {metrics['comm_time_s']:.2f}s"
+            f"{metrics['samples_per_s']:,.0f} samples/s"
         )
+        comm = metrics["comm_time_s"]
+        line += "  comm -" if comm != comm else f"  comm {comm:.2f}s"  # NaN: not measured (FSDP)
         if "test_accuracy" in metrics:
             line += f"  test acc {metrics['test_accuracy']:.3f}"
         self._console.print(line)
