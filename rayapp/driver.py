@@ -83,7 +83,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                         progress=progress_queue,
                     ),
                 )
-                result = trainer.fit()
+                result = _fit_interruptibly(trainer)
             outcome = "FINISHED"
         except KeyboardInterrupt:
             outcome = "KILLED"
@@ -100,6 +100,31 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
         wall_time_s=time.time() - submitted_at,
         final_metrics=dict(result.metrics or {}),
     )
+
+
+def _fit_interruptibly(trainer):
+    """trainer.fit() in a helper thread, so Ctrl-C reaches this driver as KeyboardInterrupt.
+
+    In the main thread, Ray Train installs its own SIGINT handler, which exits the process
+    from inside fit(); the driver could then neither mark the MLflow run KILLED nor stop the
+    cluster. From a helper thread fit() installs none; on Ctrl-C the caller's cleanup runs and
+    ray.shutdown() takes the controller and workers down with the driver.
+    """
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="rayapp-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _first_line(exc: BaseException) -> str:

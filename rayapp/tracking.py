@@ -154,6 +154,9 @@ class NullLogger:
     def logged_epochs(self) -> set[int]:
         return set()
 
+    def previous_attempts(self) -> int:
+        return 0
+
 
 class RunLogger(NullLogger):
     """Rank 0's writer to the job's run: one batched request per epoch."""
@@ -183,6 +186,10 @@ class RunLogger(NullLogger):
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         self._client.log_artifact(self.run_id, path, artifact_path)
+
+    def previous_attempts(self) -> int:
+        """How many times training already started in this run (restarts after worker failures)."""
+        return int(self._client.get_run(self.run_id).data.tags.get(TAG_ATTEMPTS, 0))
 
     def logged_epochs(self) -> set[int]:
         """Epochs whose loss is already in the run: a resumed job skips re-logging them."""

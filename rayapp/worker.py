@@ -73,22 +73,25 @@ def train_loop_per_worker(config: dict) -> None:
     loss_fn = build_loss(spec)
 
     # -- resume: a restarted worker group continues from the last checkpoint, in the same MLflow run
-    start_epoch, history, attempt = 0, [], 1
+    start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
         _load_state(model, optimizer, state)
-        start_epoch, history, attempt = state["epoch"] + 1, state["history"], state["attempt"] + 1
+        start_epoch, history = state["epoch"] + 1, state["history"]
+    # Counted in the run itself, so a restart before the first checkpoint counts too.
+    attempt = logger.previous_attempts() + 1
     _record_placement(logger, world_size, attempt=attempt)
-    if history:
-        # Epochs checkpointed before a failure but whose metrics never reached MLflow.
-        already = logger.logged_epochs() if rank == 0 else set()
-        for epoch, metrics in enumerate(history):
-            if epoch not in already:
-                logger.log_epoch(epoch, metrics)
+    # After a restart, each epoch is logged once: epochs checkpointed whose metrics never reached
+    # MLflow are logged from the checkpoint; epochs logged but not checkpointed (the failure came
+    # between the two) are re-run from the checkpoint, deterministically, and not logged again.
+    already_logged = logger.logged_epochs() if attempt > 1 else set()
+    for epoch, metrics in enumerate(history):
+        if epoch not in already_logged:
+            logger.log_epoch(epoch, metrics)
 
-    first_step_done = start_epoch > 0
+    first_step_done = attempt > 1  # time to first step is the first attempt's
     samples_per_epoch = spec.steps_per_epoch * spec.batch_size_per_worker * world_size
     for epoch in range(start_epoch, spec.train.epochs):
         sampler.set_epoch(epoch)
@@ -139,8 +142,9 @@ def train_loop_per_worker(config: dict) -> None:
         history.append(metrics)
 
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
-        _report_with_checkpoint(model, optimizer, epoch=epoch, history=history, run_id=worker_config.run_id, attempt=attempt, rank=rank)
-        logger.log_epoch(epoch, metrics)
+        _report_with_checkpoint(model, optimizer, epoch=epoch, history=history, run_id=worker_config.run_id, rank=rank)
+        if epoch not in already_logged:
+            logger.log_epoch(epoch, metrics)
         if rank == 0 and worker_config.progress is not None:
             worker_config.progress.put_nowait({"epoch": epoch, **metrics})
 
@@ -216,18 +220,21 @@ def _state_dict(model, optimizer) -> dict:
 
 
 def _load_state(model, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=options)
+    # A stateless optimizer (plain SGD) saves no tensors, and torch refuses to load such a full
+    # state dict; its hyperparameters come from the spec anyway.
+    if state["optimizer"].get("state"):
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
-def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_id: str, attempt: int, rank: int) -> None:
+
+def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_id: str, rank: int) -> None:
     """Every rank reports once per epoch (Ray Train requires equal counts); rank 0 attaches the checkpoint."""
     import ray.train
     from ray.train import Checkpoint
@@ -238,7 +245,7 @@ def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as directory:
-        state.update(epoch=epoch, history=history, run_id=run_id, attempt=attempt)
+        state.update(epoch=epoch, history=history, run_id=run_id)
         torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
 

@@ -54,3 +54,77 @@ def only_run(client, experiment: str = "rayapp"):
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1, f"expected one run, found {len(runs)}"
     return runs[0]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid, read from /proc (children started in new sessions included)."""
+    import os
+
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+    finally:
+        os.sched_yield()
+
+
+def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """The CLI as a running child whose output lines the test can wait for."""
+    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full_env.update(env or {}, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "rayapp", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=full_env,
+    )
+
+
+def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) -> list[str]:
+    """Read output until a line contains needle; fail with the output so far if it never comes."""
+    import select
+    import time
+
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 1.0)
+        if ready:
+            line = process.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if needle in line:
+                return seen
+        elif process.poll() is not None:
+            break
+    raise AssertionError(f"never saw {needle!r}; output:\n{''.join(seen)[-3000:]}")

@@ -1,0 +1,99 @@
+"""Reliability on a real embedded cluster: a worker killed mid-run, Ctrl-C, and impossible requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from rayapp.cluster import EmbeddedCluster
+from rayapp.tracking import EPOCH_METRICS, TAG_ATTEMPTS
+
+from conftest import JOBS, alive, cmdline, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
+
+pytestmark = pytest.mark.integration
+
+
+def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
+    epochs = 6
+    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
+                           str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    try:
+        wait_for_line(process, f"epoch 2/{epochs}")
+        workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
+        assert workers, "no RayTrainWorker process found under rayapp"
+        os.kill(workers[-1], signal.SIGKILL)
+        output, _ = process.communicate(timeout=400)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_ATTEMPTS] == "2"
+    for key in EPOCH_METRICS:
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(epochs)), f"{key} logged at {steps}"
+
+
+def test_ctrl_c_stops_cluster_and_marks_run_killed(workdir):
+    process = start_rayapp("submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    try:
+        wait_for_line(process, "  1/200  loss")
+        started = descendants(process.pid)
+        assert any("raylet" in cmdline(pid) for pid in started)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, output[-3000:]
+    assert "interrupted" in output and "Traceback" not in output
+    time.sleep(1)
+    assert not [pid for pid in started if alive(pid)], "processes of the embedded cluster outlived rayapp"
+    run = only_run(mlflow_client(workdir))
+    assert run.info.status == "KILLED"
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A cluster this test starts and stops itself (by process session, never `ray stop`)."""
+    import ray
+
+    cluster = EmbeddedCluster(nodes=2, cpus_per_node=1)
+    cluster.start()
+    try:
+        cluster.prepare_client()
+        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False)
+        try:
+            cluster.wait_for_nodes()
+        finally:
+            ray.shutdown()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_more_nodes_than_the_cluster_has_fails_fast(workdir, two_node_cluster):
+    started = time.monotonic()
+    result = run_rayapp("submit", "--address", two_node_cluster.address, "--nodes", "5", "--epochs", "1",
+                        str(JOBS / "seed_linear.yaml"), cwd=workdir, env=two_node_cluster.auth_env, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert elapsed < 30, f"took {elapsed:.0f}s"
+    message = result.stderr.strip().splitlines()[-1]
+    assert "--nodes 5" in message and "the cluster has 2 alive node(s)" in message, message
+    assert "Traceback" not in result.stderr
+
+
+def test_existing_cluster_runs_a_job(workdir, two_node_cluster):
+    result = run_rayapp("submit", "--address", two_node_cluster.address, "--nodes", "2", "--epochs", "1",
+                        str(JOBS / "seed_linear.yaml"), cwd=workdir, env=two_node_cluster.auth_env)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = only_run(mlflow_client(workdir))
+    assert run.data.tags["rayapp.cluster"] == two_node_cluster.address
+    assert len(set(run.data.tags["rayapp.node_ids"].split(","))) == 2
