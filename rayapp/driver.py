@@ -18,7 +18,15 @@ from rayapp.cluster import EmbeddedCluster
 from rayapp.errors import RayappError
 from rayapp.preflight import check_capacity, resolve_backend
 from rayapp.spec import JobSpec
-from rayapp.tracking import TAG_CLUSTER, close_run, environment_tags, job_params, open_run, resolve_tracking_uri
+from rayapp.tracking import (
+    TAG_CLUSTER,
+    close_run,
+    environment_tags,
+    fallback_path,
+    job_params,
+    open_run,
+    resolve_tracking_uri,
+)
 from rayapp.worker import WorkerConfig, train_loop_per_worker
 
 ProgressCallback = Callable[[dict], None]
@@ -68,6 +76,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
             tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
             parent_run_id=options.parent_run_id,
         )
+        fallback = fallback_path(_storage_path(spec.cluster.storage_path), _trial_name(spec, run_id), run_id)
         outcome = "FAILED"
         try:
             with _progress_pump(options.on_progress) as progress_queue:
@@ -80,6 +89,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                         run_id=run_id,
                         tracking_uri=tracking_uri,
                         submitted_at=submitted_at,
+                        fallback_path=fallback,
                         progress=progress_queue,
                     ),
                 )
@@ -91,7 +101,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
         except Exception as exc:
             raise RayappError(f"training failed: {_first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
         finally:
-            close_run(tracking_uri, run_id, outcome)
+            _close_run_or_save(tracking_uri, run_id, outcome, fallback, status)
     return SubmitResult(
         run_id=run_id,
         experiment=spec.tracking.experiment,
@@ -125,6 +135,30 @@ def _fit_interruptibly(trainer):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def _trial_name(spec: JobSpec, run_id: str) -> str:
+    """Ray Train's run directory under storage_path: the job and the MLflow run it belongs to."""
+    return f"{spec.name}-{run_id[:8]}"
+
+
+def _close_run_or_save(tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]) -> None:
+    """Mark the run's end; if the server is gone, keep the status with the other undelivered records."""
+    from rayapp.outbox import CLIENT_ENV, Record, append_fallback
+
+    os.environ.update(CLIENT_ENV)  # fail each try in seconds; the retries are here
+    for delay in (0, 2, 5):
+        time.sleep(delay)
+        try:
+            close_run(tracking_uri, run_id, outcome)
+            return
+        except Exception:
+            continue
+    append_fallback(Path(fallback), [Record("status", run_id, values={"status": outcome})])
+    status(
+        f"MLflow is unreachable: run {run_id} could not be marked {outcome}; saved to {fallback}. "
+        f"Deliver later with: rayapp import-metrics {fallback} --tracking-uri {tracking_uri}"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -228,7 +262,7 @@ def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         ),
         torch_config=TorchConfig(backend=backend),
         run_config=RunConfig(
-            name=f"{spec.name}-{worker_config.run_id[:8]}",
+            name=_trial_name(spec, worker_config.run_id),
             storage_path=_storage_path(spec.cluster.storage_path),
             failure_config=FailureConfig(max_failures=spec.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),

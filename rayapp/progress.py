@@ -21,6 +21,9 @@ class EpochPrinter:
         self._console.print(f"[dim]rayapp:[/dim] {message}")
 
     def on_epoch(self, metrics: dict) -> None:
+        if "message" in metrics:  # a warning from rank 0, e.g. MLflow unreachable
+            self._console.print(f"[yellow]rayapp: warning:[/yellow] {metrics['message']}")
+            return
         epochs = self._spec.train.epochs
         line = (
             f"epoch {metrics['epoch'] + 1:>{len(str(epochs))}}/{epochs}  "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -139,6 +140,9 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
 class NullLogger:
     """What every rank but 0 gets: logging calls that do nothing."""
 
+    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+        return None
+
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         pass
 
@@ -159,38 +163,60 @@ class NullLogger:
 
 
 class RunLogger(NullLogger):
-    """Rank 0's writer to the job's run: one batched request per epoch."""
+    """Rank 0's writer to the job's run. Writes go through an :class:`~rayapp.outbox.Outbox`, so a
+    slow or absent tracking server never stalls training; reads (on resume) are direct."""
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
-        from mlflow.tracking import MlflowClient
+    def __init__(self, tracking_uri: str, run_id: str, fallback_path: str, notify=lambda message: None) -> None:
+        from rayapp.outbox import Outbox
 
-        self._client = MlflowClient(tracking_uri)
+        self._outbox = Outbox(tracking_uri, Path(fallback_path), notify=notify)
         self.run_id = run_id
 
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         self.log_metrics(metrics, step=epoch)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
-        import time
+        from rayapp.outbox import Record
 
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
+        self._outbox.put(Record("metrics", self.run_id, step=step, values={k: float(v) for k, v in metrics.items()}))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        from mlflow.entities import RunTag
+        from rayapp.outbox import Record
 
-        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._outbox.put(Record("tags", self.run_id, values={k: str(v) for k, v in tags.items()}))
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        self._client.log_artifact(self.run_id, path, artifact_path)
+        from rayapp.outbox import Record
+
+        self._outbox.put(Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path}))
+
+    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+        """Flush; returns the fallback file when the server could not take everything."""
+        return self._outbox.close(timeout_s)
 
     def previous_attempts(self) -> int:
         """How many times training already started in this run (restarts after worker failures)."""
-        return int(self._client.get_run(self.run_id).data.tags.get(TAG_ATTEMPTS, 0))
+        try:
+            return int(self._outbox.client.get_run(self.run_id).data.tags.get(TAG_ATTEMPTS, 0))
+        except Exception:  # server unreachable: the count is cosmetic, training goes on
+            return 0
 
     def logged_epochs(self) -> set[int]:
-        """Epochs whose loss is already in the run: a resumed job skips re-logging them."""
-        return {m.step for m in self._client.get_metric_history(self.run_id, "loss")}
+        """Epochs whose loss is already in the run: a resumed job skips re-logging them.
+
+        If the server cannot say, every epoch is sent again; `rayapp import-metrics` and the
+        outbox's per-record delivery keep that from mattering much, and no value is lost.
+        """
+        try:
+            return {m.step for m in self._outbox.client.get_metric_history(self.run_id, "loss")}
+        except Exception:
+            return set()
+
+
+def fallback_path(storage_path: str, trial_name: str, run_id: str) -> str:
+    """Where undelivered MLflow records go: beside the checkpoints when storage is a local or NFS
+    path; in this node's temp directory when it is an object store (s3://, gs://)."""
+    from rayapp.outbox import FALLBACK_SUFFIX
+
+    base = Path(tempfile.gettempdir()) / "rayapp" if "://" in storage_path else Path(storage_path)
+    return str(base / trial_name / f"{run_id}{FALLBACK_SUFFIX}")

@@ -38,8 +38,15 @@ class WorkerConfig:
     tracking_uri: str
     submitted_at: float
     """Driver wall clock at submission, for time_to_first_step_s."""
+    fallback_path: str = ""
+    """Where rank 0 writes MLflow records the tracking server could not take by the end."""
     progress: Any = None
-    """A ray.util.queue.Queue that rank 0 feeds with per-epoch progress, or None."""
+    """A ray.util.queue.Queue that rank 0 feeds with per-epoch progress and warnings, or None."""
+
+    def tell(self, message: str) -> None:
+        """A warning for the person at the submitting terminal."""
+        if self.progress is not None:
+            self.progress.put_nowait({"message": message})
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -55,7 +62,11 @@ def train_loop_per_worker(config: dict) -> None:
     device = get_device()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    logger = RunLogger(worker_config.tracking_uri, worker_config.run_id) if rank == 0 else NullLogger()
+    logger = (
+        RunLogger(worker_config.tracking_uri, worker_config.run_id, worker_config.fallback_path, worker_config.tell)
+        if rank == 0
+        else NullLogger()
+    )
 
     # -- set-up: data, model, strategy, optimizer
     datasets = build_datasets(spec)
@@ -151,7 +162,7 @@ def train_loop_per_worker(config: dict) -> None:
     # -- end of run
     finals = {"total_time_s": time.perf_counter() - loop_started, "param_bytes_per_rank": local_parameter_bytes(model)}
     logger.log_metrics(finals, step=spec.train.epochs - 1)
-    state = _state_dict(model, optimizer)
+    state = _state_dict(model, optimizer)  # a collective under FSDP: every rank takes part
     if rank == 0:
         with tempfile.TemporaryDirectory() as directory:
             model_path = os.path.join(directory, "model_state_dict.pt")
@@ -161,6 +172,15 @@ def train_loop_per_worker(config: dict) -> None:
             with open(spec_path, "w") as handle:
                 json.dump(_spec_as_dict(spec), handle, indent=2)
             logger.log_artifact(spec_path)
+    undelivered = logger.close()
+    if undelivered is not None:
+        import ray
+
+        worker_config.tell(
+            f"MLflow stayed unreachable; undelivered metrics and artifacts are saved in {undelivered} "
+            f"(node {ray.util.get_node_ip_address()}). Deliver them later with: "
+            f"rayapp import-metrics {undelivered} --tracking-uri {worker_config.tracking_uri}"
+        )
 
 
 # ---- helpers -------------------------------------------------------------------------

@@ -128,3 +128,50 @@ def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) 
         elif process.poll() is not None:
             break
     raise AssertionError(f"never saw {needle!r}; output:\n{''.join(seen)[-3000:]}")
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 with a SQLite store, that a test can stop and restart."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        from rayapp.cluster import free_port
+
+        self.directory = directory
+        self.port = port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90) -> "MlflowServer":
+        import time
+        import urllib.request
+
+        log = open(self.directory / "mlflow-server.log", "a")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.directory / 'server.db'}",
+             "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+            if self._process.poll() is not None:
+                break
+        raise AssertionError(f"mlflow server did not start; see {self.directory / 'mlflow-server.log'}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self._process is None:
+            return
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)  # its own session: only what it started
+        except ProcessLookupError:
+            pass
+        self._process.wait(timeout=30)
+        self._process = None

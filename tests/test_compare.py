@@ -18,9 +18,10 @@ def log_run(uri: str, *, job: str, world: int, scaling: str, epochs: list[dict],
     params = {"job": job, "nodes": str(world), "world_size": str(world), "workers_per_node": "1",
               "backend": "gloo", "strategy": "ddp", "scaling": scaling}
     run_id = open_run(tracking_uri=uri, experiment=experiment, run_name=f"{job}-{world}", params=params, tags={})
-    logger = RunLogger(uri, run_id)
+    logger = RunLogger(uri, run_id, fallback_path=f"/nonexistent/{run_id}.jsonl")
     for epoch, metrics in enumerate(epochs):
         logger.log_epoch(epoch, metrics)
+    assert logger.close() is None  # all delivered: no fallback file
     close_run(uri, run_id, "FINISHED")
     return run_id
 

@@ -1,0 +1,193 @@
+"""Rank 0's MLflow writes, sent from a background thread so training never waits on the server.
+
+Records (metrics, tags, artifacts) queue in memory and a sender thread delivers them in
+batches. While the tracking server is down or slow, records stay queued and are retried
+with back-off; the person at the terminal is told once. If the server is still unreachable
+when training ends, the undelivered records are written to a fallback JSONL file (artifacts
+copied beside it) that `rayapp import-metrics FILE` delivers later. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+FALLBACK_SUFFIX = ".mlflow-fallback.jsonl"
+DOWN_GRACE_S = 10.0
+# A dead server should fail a request in seconds, not after MLflow's default minutes of retries:
+# the outbox does its own retrying, and the training loop never waits on it.
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@dataclass
+class Record:
+    kind: str
+    """metrics | tags | artifact | status"""
+    run_id: str
+    step: int = 0
+    timestamp_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    values: dict = field(default_factory=dict)
+    """metrics: {key: float}; tags: {key: str}; artifact: {path, artifact_path}; status: {status}."""
+
+
+def deliver(client, records: list[Record]) -> None:
+    """Send records in order, batching metrics and tags of one run; raises on the first failure."""
+    from mlflow.entities import Metric, RunTag
+
+    for record in records:
+        if record.kind == "metrics":
+            metrics = [Metric(k, float(v), record.timestamp_ms, record.step) for k, v in record.values.items()]
+            client.log_batch(record.run_id, metrics=metrics, synchronous=True)
+        elif record.kind == "tags":
+            client.log_batch(record.run_id, tags=[RunTag(k, str(v)) for k, v in record.values.items()])
+        elif record.kind == "artifact":
+            client.log_artifact(record.run_id, record.values["path"], record.values.get("artifact_path"))
+        elif record.kind == "status":
+            client.set_terminated(record.run_id, status=record.values["status"])
+
+
+class Outbox:
+    def __init__(
+        self,
+        tracking_uri: str,
+        fallback_path: Path,
+        *,
+        notify: Callable[[str], None] = lambda message: None,
+        retry_s: tuple[float, float] = (1.0, 10.0),
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        os.environ.update(CLIENT_ENV)
+        self._client = MlflowClient(tracking_uri)
+        self._tracking_uri = tracking_uri
+        self.fallback_path = Path(fallback_path)
+        self._notify = notify
+        self._retry_s = retry_s
+        self._pending: list[Record] = []
+        self._condition = threading.Condition()
+        self._closing = False
+        self._down_since: Optional[float] = None
+        self._thread = threading.Thread(target=self._send_forever, name="rayapp-mlflow-outbox", daemon=True)
+        self._thread.start()
+
+    @property
+    def client(self):
+        return self._client
+
+    def put(self, record: Record) -> None:
+        if record.kind == "artifact":
+            # The caller may delete the file right after; keep a copy until it is delivered.
+            record.values = {**record.values, "path": self._keep(record.values["path"])}
+        with self._condition:
+            self._pending.append(record)
+            self._condition.notify()
+
+    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+        """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered."""
+        started = time.monotonic()
+        with self._condition:
+            self._closing = True
+            self._condition.notify()
+            while self._pending and time.monotonic() - started < self._patience(timeout_s):
+                self._condition.wait(timeout=0.5)
+            left = list(self._pending)
+            self._pending.clear()
+            self._condition.notify()
+        self._thread.join(timeout=5)
+        if not left:
+            shutil.rmtree(self._kept_dir(), ignore_errors=True)
+            return None
+        append_fallback(self.fallback_path, left)
+        return self.fallback_path
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _patience(self, timeout_s: float) -> float:
+        """While the server is answering, wait the full timeout; once it is down, a short grace."""
+        return min(timeout_s, DOWN_GRACE_S) if self._down_since is not None else timeout_s
+
+    def _send_forever(self) -> None:
+        """Deliver the oldest record, drop it from the queue only once delivered; back off while down."""
+        delay = self._retry_s[0]
+        while True:
+            with self._condition:
+                while not self._pending and not self._closing:
+                    self._condition.wait()
+                if not self._pending:
+                    return
+                record = self._pending[0]
+            try:
+                deliver(self._client, [record])
+            except Exception as exc:  # server down, slow, or refusing: keep the record, retry
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    self._notify(
+                        f"MLflow at {self._tracking_uri} is not answering ({type(exc).__name__}); "
+                        "training continues and metrics are buffered until it returns"
+                    )
+                with self._condition:
+                    self._condition.wait(timeout=delay)
+                delay = min(delay * 2, self._retry_s[1])
+                continue
+            with self._condition:
+                if self._pending and self._pending[0] is record:
+                    self._pending.pop(0)
+                self._condition.notify_all()
+            if self._down_since is not None:
+                self._notify(f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; buffered metrics delivered")
+                self._down_since = None
+            delay = self._retry_s[0]
+
+    def _kept_dir(self) -> Path:
+        return self.fallback_path.with_suffix("").with_suffix(".artifacts")
+
+    def _keep(self, path: str) -> str:
+        kept = self._kept_dir()
+        kept.mkdir(parents=True, exist_ok=True)
+        target = kept / f"{len(os.listdir(kept))}-{Path(path).name}"
+        shutil.copyfile(path, target)
+        return str(target)
+
+
+def append_fallback(path: Path, records: list[Record]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(asdict(record)) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def import_fallback(path: Path, tracking_uri: str) -> int:
+    """Deliver a fallback file's records, skipping metric values already in the run; returns records sent.
+
+    On success the file is renamed to *.imported so a second import does nothing.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    records = [Record(**json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    to_send: list[Record] = []
+    present: dict[tuple[str, str], set[int]] = {}
+    for record in records:
+        if record.kind == "metrics":
+            fresh = {}
+            for key, value in record.values.items():
+                if (record.run_id, key) not in present:
+                    present[(record.run_id, key)] = {m.step for m in client.get_metric_history(record.run_id, key)}
+                if record.step not in present[(record.run_id, key)]:
+                    fresh[key] = value
+                    present[(record.run_id, key)].add(record.step)
+            if not fresh:
+                continue
+            record.values = fresh
+        to_send.append(record)
+    deliver(client, to_send)
+    path.rename(path.with_name(path.name + ".imported"))
+    return len(to_send)

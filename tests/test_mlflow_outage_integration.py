@@ -1,0 +1,82 @@
+"""A real `mlflow server` goes away during a run: training goes on, and no metric is lost or doubled."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rayapp.tracking import EPOCH_METRICS
+
+from conftest import JOBS, MlflowServer, run_rayapp, start_rayapp, wait_for_line
+
+pytestmark = pytest.mark.integration
+
+EPOCHS = 8
+
+
+def assert_complete(client: MlflowClient, run) -> None:
+    for key in EPOCH_METRICS:
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(EPOCHS)), f"{key} logged at {steps}"
+    assert "total_time_s" in run.data.metrics
+    assert any(a.path == "model" for a in client.list_artifacts(run.info.run_id))
+
+
+def the_run(server: MlflowServer):
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("outage")
+    (run,) = client.search_runs([experiment.experiment_id])
+    return client, run
+
+
+def submit_args(server: MlflowServer) -> list[str]:
+    return ["submit", "--nodes", "2", "--epochs", str(EPOCHS), "--experiment", "outage",
+            "--tracking-uri", server.uri, str(JOBS / "seed_linear.yaml")]
+
+
+def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
+    server = MlflowServer(tmp_path).start()
+    process = start_rayapp(*submit_args(server), cwd=tmp_path)
+    try:
+        seen = wait_for_line(process, f"2/{EPOCHS}  loss")
+        server.stop()
+        seen += wait_for_line(process, f"5/{EPOCHS}  loss")  # training went on while the server was down
+        server.start()
+        output, _ = process.communicate(timeout=300)
+        output = "".join(seen) + output
+        assert process.returncode == 0, output[-3000:]
+        assert "MLflow at" in output and "not answering" in output
+        client, run = the_run(server)
+        assert run.info.status == "FINISHED"
+        assert_complete(client, run)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        server.stop()
+
+
+def test_server_gone_until_the_end_leaves_a_fallback_file_to_import(tmp_path):
+    server = MlflowServer(tmp_path).start()
+    process = start_rayapp(*submit_args(server), cwd=tmp_path)
+    try:
+        seen = wait_for_line(process, f"2/{EPOCHS}  loss")
+        server.stop()
+        output, _ = process.communicate(timeout=400)
+        output = "".join(seen) + output
+        assert process.returncode == 0, output[-3000:]
+        assert "rayapp import-metrics" in output, output[-3000:]
+        fallbacks = list(tmp_path.glob("rayapp_results/*/*.mlflow-fallback.jsonl"))
+        assert len(fallbacks) == 1, output[-3000:]
+
+        server.start()
+        imported = run_rayapp("import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path)
+        assert imported.returncode == 0, imported.stderr
+        client, run = the_run(server)
+        assert run.info.status == "FINISHED"
+        assert_complete(client, run)
+        again = run_rayapp("import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path)
+        assert again.returncode != 0  # renamed to *.imported: nothing is delivered twice
+    finally:
+        if process.poll() is None:
+            process.kill()
+        server.stop()
