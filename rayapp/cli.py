@@ -58,6 +58,7 @@ def quiet_library_logs() -> None:
     """MLflow announces database migrations and Ray its connections at INFO; a person needs neither."""
     import logging
 
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
     for name in ("mlflow", "alembic", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -91,7 +92,8 @@ def _override_options(command: Callable) -> Callable:
         click.option(
             "--address",
             type=str,
-            help="Existing Ray cluster (HOST:PORT or ray://HOST:10001); none starts an embedded one [cluster.address].",
+            help="Existing Ray cluster: HOST:PORT or 'auto' to run here, http://HEAD:8265 to submit through the "
+            "Ray Jobs API; none starts an embedded one [cluster.address].",
         ),
         click.option("--storage-path", type=str, help="Checkpoint storage, shared on real clusters [cluster.storage_path]."),
         click.option("--max-failures", type=int, help="Worker failures to recover from [cluster.max_failures]."),
@@ -128,11 +130,23 @@ def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any]):
 
     overrides = {OVERRIDE_FIELDS[name]: value for name, value in flags.items() if name in OVERRIDE_FIELDS}
     spec = load_spec(job_yaml, overrides) if job_yaml else build_spec({}, overrides, default_name="seed_linear")
-    if spec.cluster.backend == "nccl" and not spec.cluster.address:
+    if not spec.cluster.address:  # the embedded cluster runs on this machine: check it here, before starting
         import torch
+        import torch.distributed as dist
 
-        if not torch.cuda.is_available():
+        if spec.cluster.backend == "nccl" and not torch.cuda.is_available():
             raise SpecError("cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if spec.train.strategy in ("dp", "mp") and gpus < 2:
+            raise SpecError(
+                f"train.strategy: {spec.train.strategy!r} needs at least 2 CUDA GPUs on one node and this machine "
+                f"has {gpus}; use ddp or fsdp (they run on CPUs too)"
+            )
+        if spec.cluster.backend == "mpi" and not dist.is_mpi_available():
+            raise SpecError(
+                "cluster.backend: 'mpi' is not available in this torch build (no MPI support); build PyTorch "
+                "from source against an MPI library (USE_MPI=1), or use gloo (CPU) / nccl (GPU)"
+            )
     return spec
 
 
@@ -147,8 +161,14 @@ def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any]):
     help="Seconds to wait for the cluster to have enough nodes (autoscaling) before failing.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Show Ray and worker logs.")
+@click.option(
+    "--detach/--wait", "--no-wait/ ", default=False,
+    help="With a Jobs API address (http://HEAD:8265): return once submitted instead of streaming logs.",
+)
+@click.option("--parent-run-id", hidden=True, help="Nest the MLflow run under this parent (used by bench).")
 @friendly_errors
-def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, **flags: Any) -> None:
+def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, detach: bool, parent_run_id: Optional[str],
+           **flags: Any) -> None:
     """Train JOB_YAML with Ray Train (TorchTrainer) and log it to MLflow.
 
     Flags override the job YAML, which overrides the defaults. With no --address,
@@ -159,6 +179,7 @@ def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, **fl
       rayapp submit --nodes 2 jobs/seed_linear.yaml
       rayapp submit --nodes 2 --epochs 3 --experiment trial jobs/mlp_synthetic.yaml
       rayapp submit --nodes 2 --strategy fsdp jobs/digits_mlp.yaml
+      rayapp submit --address http://127.0.0.1:8265 --nodes 2 --tracking-uri http://MLFLOW:5000 jobs/seed_linear.yaml
     """
     from rayapp.driver import SubmitOptions, submit as run_job
     from rayapp.progress import EpochPrinter
@@ -166,6 +187,10 @@ def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, **fl
     spec = spec_from_flags(job_yaml, flags)
     if not verbose:
         quiet_library_logs()
+    if spec.cluster.address and spec.cluster.address.startswith(("http://", "https://")):
+        from rayapp.remote import submit_remote
+
+        sys.exit(submit_remote(spec, job_yaml=job_yaml, detach=detach, schedule_timeout_s=schedule_timeout))
     printer = EpochPrinter(spec)
     result = run_job(
         spec,
@@ -173,6 +198,7 @@ def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, **fl
             job_file=job_yaml,
             schedule_timeout_s=schedule_timeout,
             verbose=verbose,
+            parent_run_id=parent_run_id,
             on_progress=printer.on_epoch,
             on_status=printer.on_status,
         ),
@@ -220,6 +246,10 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
     click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port} (Ctrl-C to stop)")
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
     os.execv(sys.executable, command)
+
+
+# Jobs API commands (status, logs, stop) live with the remote submission code.
+from rayapp import cli_remote  # noqa: E402,F401  (registers its commands on `main`)
 
 
 # ---- bench and compare ----------------------------------------------------------------
@@ -283,7 +313,7 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
             on_size_done=lambda n, r: progress.advance(task),
             plot_path=plot_path,
         )
-    console.print(render(result.summaries, "table"))
+    click.echo(render(result.summaries, "table"), nl=False)  # pre-rendered at full width; no re-wrapping
     console.print(f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} and logged as scaling.png")
 
 
@@ -318,3 +348,33 @@ def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: 
         from rayapp.plot import scaling_plot
 
         click.echo(f"plot saved to {scaling_plot(summaries, plot_path)}", err=True)
+
+
+@main.command("import-metrics", context_settings=CONTEXT_SETTINGS)
+@click.argument("fallback_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+@friendly_errors
+def import_metrics(fallback_file: str, tracking_uri: Optional[str]) -> None:
+    """Deliver metrics a run saved while MLflow was unreachable.
+
+    Values already in the run are skipped, so importing twice, or after a partial
+    delivery, adds nothing twice. The file is renamed to *.imported afterwards.
+
+    \b
+    Example:
+      rayapp import-metrics rayapp_results/seed_linear-1a2b3c4d/1a2b...e9.mlflow-fallback.jsonl \\
+          --tracking-uri http://127.0.0.1:5000
+    """
+    from pathlib import Path
+
+    from rayapp.outbox import import_fallback
+    from rayapp.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    try:
+        sent = import_fallback(Path(fallback_file), uri)
+    except (OSError, ValueError, KeyError) as exc:
+        raise RayappError(f"{fallback_file} is not a rayapp fallback file ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # the server is still unreachable, or refused a record
+        raise RayappError(f"could not deliver to {uri}: {type(exc).__name__}; the file is left as it was") from None
+    click.echo(f"delivered {sent} record(s) from {fallback_file} to {uri}")

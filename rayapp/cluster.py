@@ -63,6 +63,8 @@ class EmbeddedCluster:
 
     nodes: int
     cpus_per_node: int
+    gpus_per_node: int = 0
+    """This machine's GPUs, dealt out to the nodes in disjoint sets (CUDA_VISIBLE_DEVICES per node)."""
     include_dashboard: bool = False
     log_dir: Optional[Path] = None
     address: str = ""
@@ -135,12 +137,15 @@ class EmbeddedCluster:
             "--disable-usage-stats",
             f"--node-ip-address={node_ip(index)}",
             f"--num-cpus={self.cpus_per_node}",
-            "--num-gpus=0",
+            f"--num-gpus={self.gpus_per_node}",
             f"--object-store-memory={OBJECT_STORE_BYTES}",
             *args,
         ]
         log = open(self.log_dir / f"node-{index}.log", "w")
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env)
+        if self.gpus_per_node:
+            first = index * self.gpus_per_node
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.gpus_per_node))
         self._processes.append(
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)

@@ -187,7 +187,7 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
         table.add_column(title, justify="left" if f == "{}" or title == "run" else "right")
     for row in rows:
         table.add_row(*row)
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=220)
     with console.capture() as capture:
         console.print(table)
     return capture.get()

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from rayapp.cluster import EmbeddedCluster
 from rayapp.errors import RayappError
 from rayapp.preflight import check_capacity, resolve_backend
-from rayapp.spec import JobSpec
+from rayapp.spec import SINGLE_PROCESS_STRATEGIES, JobSpec
 from rayapp.tracking import (
     TAG_CLUSTER,
     close_run,
@@ -187,7 +187,9 @@ def _ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None])
             return
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
         status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
-        with EmbeddedCluster(nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node) as cluster:
+        with EmbeddedCluster(
+            nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node, gpus_per_node=_local_gpus() // spec.cluster.nodes
+        ) as cluster:
             cluster.prepare_client()
             try:
                 ray.init(
@@ -243,6 +245,21 @@ def _progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
             queue.shutdown()
 
 
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpus_per_worker(spec: JobSpec) -> int:
+    """One GPU per worker, except dp/mp, whose single process drives every GPU of its node."""
+    if spec.train.strategy not in SINGLE_PROCESS_STRATEGIES:
+        return 1
+    import ray
+
+    return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=1)) or 1
+
+
 def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -257,7 +274,10 @@ def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         scaling_config=ScalingConfig(
             num_workers=spec.world_size,
             use_gpu=use_gpu,
-            resources_per_worker={"CPU": spec.cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            resources_per_worker={
+                "CPU": spec.cluster.cpus_per_worker,
+                **({"GPU": _gpus_per_worker(spec)} if use_gpu else {}),
+            },
             placement_strategy=placement,
         ),
         torch_config=TorchConfig(backend=backend),

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "dp", "mp")
+SINGLE_PROCESS_STRATEGIES = ("dp", "mp")
+"""One worker process driving several GPUs of one node: nn.DataParallel, or the model split across two GPUs."""
 SCALINGS = ("strong", "weak")
 MODEL_KINDS = ("linear", "mlp")
 DATA_KINDS = ("random", "synthetic", "digits")
@@ -103,7 +105,8 @@ class TrainSpec:
     """`weak`: each worker keeps its own batch and steps (the article's loop); `strong`: a fixed
     global data set and global batch are split across workers."""
     strategy: str = "ddp"
-    """`ddp` (DistributedDataParallel) or `fsdp` (FSDP2 fully_shard)."""
+    """`ddp` (DistributedDataParallel), `fsdp` (FSDP2 fully_shard), `dp` (nn.DataParallel over the
+    GPUs of one node, one process) or `mp` (the model's layers split across two GPUs, one process)."""
 
     def __post_init__(self) -> None:
         _positive_int("train.epochs", self.epochs)
@@ -187,6 +190,15 @@ class JobSpec:
             raise SpecError(
                 "train.scaling: 'weak' is not accepted with data.kind digits (a fixed, real data set); use scaling: strong"
             )
+        if self.train.strategy in SINGLE_PROCESS_STRATEGIES:
+            if self.cluster.world_size != 1:
+                raise SpecError(
+                    f"train.strategy: {self.train.strategy!r} runs one process on one node, not "
+                    f"nodes {self.cluster.nodes} * workers_per_node {self.cluster.workers_per_node}; "
+                    "use --nodes 1 --workers-per-node 1, or ddp/fsdp to spread over nodes"
+                )
+            if self.train.strategy == "mp" and len(self.model.hidden) < 1:
+                raise SpecError("train.strategy: 'mp' splits the model's layers across two GPUs; use model.kind mlp")
         world = self.cluster.world_size
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size

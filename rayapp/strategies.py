@@ -40,3 +40,33 @@ def local_parameter_bytes(model: nn.Module) -> int:
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         total += local.numel() * local.element_size()
     return total
+
+
+def apply_dp(model: nn.Module, *, device: torch.device) -> nn.Module:
+    """nn.DataParallel: one process scatters each batch over every GPU of the node (the article's DP)."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        raise RuntimeError(f"strategy 'dp' needs at least 2 CUDA GPUs on the node; this worker sees {gpus}; use ddp")
+    return nn.DataParallel(model.to("cuda:0"), device_ids=list(range(gpus)))
+
+
+class TwoDeviceModel(nn.Module):
+    """The model's layers split in two halves on two GPUs; activations cross between them (the article's MP)."""
+
+    def __init__(self, model: nn.Sequential, first: torch.device, second: torch.device) -> None:
+        super().__init__()
+        layers = list(model.children())
+        cut = len(layers) // 2
+        self.first, self.second = first, second
+        self.front = nn.Sequential(*layers[:cut]).to(first)
+        self.back = nn.Sequential(*layers[cut:]).to(second)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.back(self.front(inputs.to(self.first)).to(self.second))
+
+
+def apply_mp(model: nn.Module, *, device: torch.device) -> nn.Module:
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2 or not isinstance(model, nn.Sequential):
+        raise RuntimeError(f"strategy 'mp' needs an mlp model and 2 CUDA GPUs on the node; this worker sees {gpus}")
+    return TwoDeviceModel(model, torch.device("cuda:0"), torch.device("cuda:1"))

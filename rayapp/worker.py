@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from rayapp.data import build_datasets
 from rayapp.models import build_loss, build_model, build_optimizer
 from rayapp.spec import JobSpec
-from rayapp.strategies import apply_ddp, apply_fsdp, local_parameter_bytes
+from rayapp.strategies import apply_ddp, apply_dp, apply_fsdp, apply_mp, local_parameter_bytes
 from rayapp.timing import CommTimer, Stopwatch, synchronize
 from rayapp.tracking import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
 
@@ -78,10 +78,17 @@ def train_loop_per_worker(config: dict) -> None:
     comm_timer = CommTimer()
     if spec.train.strategy == "fsdp":
         model = apply_fsdp(model, device=device)
+    elif spec.train.strategy == "dp":
+        model = apply_dp(model, device=device)
+    elif spec.train.strategy == "mp":
+        model = apply_mp(model, device=device)
     else:
         model = apply_ddp(model, device=device, comm_timer=comm_timer)
     optimizer = build_optimizer(spec, model)
     loss_fn = build_loss(spec)
+    # Under mp the batch enters on the first GPU and the loss is taken on the second.
+    input_device = getattr(model, "first", device)
+    output_device = getattr(model, "second", device)
 
     # -- resume: a restarted worker group continues from the last checkpoint, in the same MLflow run
     start_epoch, history = 0, []
@@ -114,7 +121,7 @@ def train_loop_per_worker(config: dict) -> None:
 
         data_watch.start()
         for inputs, targets in loader:
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            inputs, targets = inputs.to(input_device, non_blocking=True), targets.to(output_device, non_blocking=True)
             data_watch.stop()
 
             compute_watch.start()
@@ -149,7 +156,7 @@ def train_loop_per_worker(config: dict) -> None:
             "peak_mem_mb": peak_mem,
         }
         if datasets.test is not None:
-            metrics["test_accuracy"] = _accuracy(model, datasets.test, device)
+            metrics["test_accuracy"] = _accuracy(model, datasets.test, input_device)
         history.append(metrics)
 
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
@@ -226,7 +233,7 @@ def _accuracy(model: torch.nn.Module, test_set, device: torch.device) -> float:
     # Every rank evaluates (FSDP needs all ranks in the forward pass); the set is small.
     inputs, labels = test_set.tensors
     predictions = model(inputs.to(device)).argmax(dim=1)
-    return (predictions == labels.to(device)).float().mean().item()
+    return (predictions == labels.to(predictions.device)).float().mean().item()
 
 
 def _state_dict(model, optimizer) -> dict:

@@ -73,3 +73,21 @@ def test_runs_on_missing_experiment_is_one_line(tmp_path):
     result = invoke("runs", "--tracking-uri", f"sqlite:///{tmp_path / 'empty.db'}", "--experiment", "nothing")
     assert result.exit_code == 1
     assert "experiment 'nothing' does not exist" in result.output
+
+
+def test_mpi_without_mpi_build_says_how_to_get_one():
+    import torch.distributed as dist
+
+    if dist.is_mpi_available():
+        pytest.skip("this torch build has MPI")
+    result = invoke("submit", str(JOBS / "seed_linear.yaml"), "--backend", "mpi")
+    assert result.exit_code == 2
+    assert "'mpi' is not available in this torch build" in result.output and "USE_MPI=1" in result.output
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU error")
+@pytest.mark.parametrize("strategy", ["dp", "mp"])
+def test_multi_gpu_strategies_without_gpus_exit_2(strategy):
+    result = invoke("submit", str(JOBS / "digits_mlp.yaml"), "--strategy", strategy)
+    assert result.exit_code == 2
+    assert f"'{strategy}' needs at least 2 CUDA GPUs on one node and this machine has 0" in result.output

@@ -66,7 +66,7 @@ BAD = [
     ({"cluster.nodes": -2}, "cluster.nodes: -2"),
     ({"cluster.workers_per_node": 0}, "cluster.workers_per_node: 0"),
     ({"cluster.backend": "tcp"}, "cluster.backend: 'tcp' is not accepted; use one of: auto, nccl, gloo, mpi"),
-    ({"train.strategy": "zero3"}, "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp"),
+    ({"train.strategy": "zero3"}, "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp, dp, mp"),
     ({"train.scaling": "linear"}, "train.scaling: 'linear'"),
     ({"train.epochs": 0}, "train.epochs: 0"),
     ({"train.lr": -0.1}, "train.lr: -0.1"),
@@ -129,3 +129,16 @@ def test_job_name_defaults_to_file_stem(tmp_path):
     path.write_text("train:\n  epochs: 2\n")
     assert load_spec(path).name == "my_job"
     assert isinstance(load_spec(path), JobSpec)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "mp"])
+def test_single_process_strategies_need_one_worker(strategy):
+    document = {"model": {"kind": "mlp", "hidden": [8]}}
+    with pytest.raises(SpecError, match=rf"'{strategy}' runs one process on one node, not nodes 2 \* workers_per_node 1"):
+        build_spec(document, {"train.strategy": strategy, "cluster.nodes": 2})
+    assert build_spec(document, {"train.strategy": strategy}).world_size == 1
+
+
+def test_mp_needs_layers_to_split():
+    with pytest.raises(SpecError, match="'mp' splits the model's layers"):
+        build_spec({}, {"train.strategy": "mp"})
