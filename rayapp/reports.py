@@ -48,4 +48,11 @@ def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: C
             f"{median:.3f}" if median is not None else "",
             f"{metrics['total_time_s']:.1f}" if "total_time_s" in metrics else "",
         )
-    (console or Console()).print(table)
+    (console or wide_console()).print(table)
+
+
+def wide_console() -> Console:
+    """A terminal console as usual; when piped or captured, wide enough that rows do not wrap."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=220)
