@@ -34,6 +34,8 @@ class RunSummary:
     comm_share: float
     """Median of comm_time_s / epoch_time_s (NaN where not measured, e.g. FSDP)."""
     peak_mem_mb: float
+    param_mb_per_rank: float
+    """Parameters each rank holds: the whole model under DDP, a 1/N shard under FSDP."""
     speedup: float = 1.0
     """Throughput relative to the group's smallest run."""
     efficiency: float = 1.0
@@ -72,6 +74,7 @@ def summarize_run(client, run) -> RunSummary:
         samples_per_s=steady_median(epoch_values(client, run_id, "samples_per_s")) or math.nan,
         comm_share=steady_median(shares) if shares else math.nan,
         peak_mem_mb=max(memory) if memory else math.nan,
+        param_mb_per_rank=run.data.metrics.get("param_bytes_per_rank", math.nan) / 2**20,
     )
 
 
@@ -152,6 +155,7 @@ COLUMNS = [
     ("efficiency", "efficiency", "{:.0%}"),
     ("comm_share", "comm share", "{:.0%}"),
     ("peak_mem_mb", "peak MB", "{:,.0f}"),
+    ("param_mb_per_rank", "param MB/rank", "{:,.2f}"),
     ("run_id", "run", "{:.12}"),
 ]
 

@@ -21,6 +21,7 @@ def log_run(uri: str, *, job: str, world: int, scaling: str, epochs: list[dict],
     logger = RunLogger(uri, run_id, fallback_path=f"/nonexistent/{run_id}.jsonl")
     for epoch, metrics in enumerate(epochs):
         logger.log_epoch(epoch, metrics)
+    logger.log_metrics({"param_bytes_per_rank": 4 * 2**20 / world}, step=len(epochs) - 1)
     assert logger.close() is None  # all delivered: no fallback file
     close_run(uri, run_id, "FINISHED")
     return run_id
@@ -63,6 +64,7 @@ def test_speedup_efficiency_and_ideals(store):
     assert strong[4].article_epoch_s == pytest.approx(0.5)
     assert strong[2].comm_share == pytest.approx(0.2)
     assert strong[1].peak_mem_mb == 120.0
+    assert strong[4].param_mb_per_rank == pytest.approx(1.0)
 
     weak = by_world(summaries, "seed")  # its own group: baseline is seed at world 1, not mlp
     assert weak[2].speedup == pytest.approx(1.6)
