@@ -35,7 +35,7 @@ def friendly_errors(command: Callable) -> Callable:
         except RayappError as exc:
             _fail(str(exc), EXIT_FAILED)
         except KeyboardInterrupt:
-            _fail("interrupted; the cluster was stopped and the MLflow run marked KILLED", EXIT_INTERRUPTED)
+            _fail("interrupted; training stopped and the MLflow run marked KILLED", EXIT_INTERRUPTED)
 
     return wrapper
 

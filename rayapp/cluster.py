@@ -71,6 +71,7 @@ class EmbeddedCluster:
     dashboard_url: Optional[str] = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
     _temp_dir: Optional[str] = None
+    _node_temp_dirs: list[str] = field(default_factory=list)
 
     @property
     def auth_env(self) -> dict[str, str]:
@@ -130,6 +131,14 @@ class EmbeddedCluster:
             self._start_node(index, [f"--address={self.address}"])
 
     def _start_node(self, index: int, args: list[str]) -> None:
+        # Each node gets its own dashboard-agent port (the default, 52365, is one per machine, so a
+        # second cluster's head could not start its agent and the Jobs API would refuse jobs) and,
+        # past the head, its own temp dir (nodes sharing one unpack a job's working_dir into the
+        # same place, replacing it under the running driver).
+        args = [*args, f"--dashboard-agent-listen-port={free_port()}"]
+        if index > 0:
+            self._node_temp_dirs.append(tempfile.mkdtemp(prefix="rayapp-"))
+            args.append(f"--temp-dir={self._node_temp_dirs[-1]}")
         command = [
             _ray_executable(),
             "start",
@@ -205,9 +214,10 @@ class EmbeddedCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
         self._processes.clear()
-        if self._temp_dir:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
-            self._temp_dir = None
+        for directory in [self._temp_dir, *self._node_temp_dirs]:
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._temp_dir, self._node_temp_dirs = None, []
 
 
 def _signal_session(process: subprocess.Popen, sig: int) -> None:

@@ -148,9 +148,12 @@ class Outbox:
         return self.fallback_path.with_suffix("").with_suffix(".artifacts")
 
     def _keep(self, path: str) -> str:
+        # One folder per artifact: the file keeps its name, which is its name in MLflow.
         kept = self._kept_dir()
         kept.mkdir(parents=True, exist_ok=True)
-        target = kept / f"{len(os.listdir(kept))}-{Path(path).name}"
+        folder = kept / str(len(os.listdir(kept)))
+        folder.mkdir()
+        target = folder / Path(path).name
         shutil.copyfile(path, target)
         return str(target)
 

@@ -38,6 +38,7 @@ from rayapp.spec import JobSpec
 from rayapp.tracking import resolve_tracking_uri
 
 DEFAULT_DASHBOARD_ADDRESS = "http://127.0.0.1:8265"
+EXIT_INTERRUPTED = 130
 JOB_FILE = "job.yaml"
 # The job's driver runs `python -m rayapp.remote submit job.yaml ...`: the `rayapp` CLI, entered
 # through job_main() below so that `rayapp stop` can interrupt it.
@@ -93,17 +94,15 @@ def submit_remote(spec: JobSpec, *, job_yaml: Optional[str], detach: bool, sched
                 "rayapp_job_file": str(job_yaml or ""),
             },
         )
-        deadline = time.monotonic() + AGENT_WAIT_S
-        while True:
-            try:
-                with api_errors(address):
-                    submit()
-                break
-            except RayappError as exc:
-                # A cluster that has just started has no job agent registered yet; Ray says "try again later".
-                if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(2.0)
+        try:
+            submit_with_retry(submit, address)
+        except KeyboardInterrupt:
+            click.secho(
+                f"rayapp: error: interrupted while submitting; the job may have been submitted as {submission_id}: "
+                f"rayapp status --address {address}",
+                err=True, fg="red",
+            )
+            return EXIT_INTERRUPTED
     echo = click.echo
     click.secho(f"submitted {submission_id} to {address}", bold=True)
     echo(f"  job {spec.name!r}: {spec.world_size} worker(s) on {spec.cluster.nodes} node(s); MLflow: {tracking_uri}")
@@ -116,6 +115,20 @@ def submit_remote(spec: JobSpec, *, job_yaml: Optional[str], detach: bool, sched
     if detach:
         return 0
     return follow(client, submission_id, address)
+
+
+def submit_with_retry(submit: Any, address: str) -> None:
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            with api_errors(address):
+                submit()
+            return
+        except RayappError as exc:
+            # A cluster that has just started has no job agent registered yet; Ray says "try again later".
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
 
 
 def print_follow_commands(submission_id: str, address: str) -> None:
@@ -132,13 +145,21 @@ def follow(client: Any, submission_id: str, address: str) -> int:
         info = wait_for_terminal(client, submission_id, address, timeout_s=60.0)
     except KeyboardInterrupt:
         return on_interrupt(client, submission_id, address)
-    if info.status == "SUCCEEDED":
+    status = str(info.status)
+    if status == "SUCCEEDED":
         click.secho(f"job {submission_id} SUCCEEDED", fg="green")
         return 0
+    if status not in TERMINAL_STATUSES:
+        click.secho(
+            f"rayapp: error: the log stream ended while job {submission_id} is still {status}; "
+            f"follow it with rayapp logs {submission_id} -f --address {address}",
+            err=True, fg="red",
+        )
+        return 1
     # Ray appends the driver's last output to the message; it has just been streamed above.
     message = re.sub(r",? *last available logs.*$", "", one_line(info.message or "")).rstrip(" :")
     detail = f": {message}" if message else ""
-    click.secho(f"rayapp: error: job {submission_id} ended {info.status}{detail}", err=True, fg="red")
+    click.secho(f"rayapp: error: job {submission_id} ended {status}{detail}", err=True, fg="red")
     return 1
 
 
@@ -161,9 +182,14 @@ def on_interrupt(client: Any, submission_id: str, address: str) -> int:
         click.echo(f"detached; job {submission_id} keeps running")
         print_follow_commands(submission_id, address)
         return 0
-    status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
+    click.echo(f"stopping job {submission_id} ...")
+    try:
+        status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
+    except KeyboardInterrupt:
+        click.echo(f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}")
+        return EXIT_INTERRUPTED
     click.echo(f"job {submission_id} {status}")
-    return 130
+    return EXIT_INTERRUPTED
 
 
 # ---- the spec the cluster runs ---------------------------------------------------------

@@ -117,7 +117,7 @@ def open_run(
     parent_run_id: Optional[str] = None,
 ) -> str:
     """Create a RUNNING run with its params and tags; returns its id."""
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)

@@ -100,7 +100,13 @@ def train_loop_per_worker(config: dict) -> None:
         start_epoch, history = state["epoch"] + 1, state["history"]
     # Counted in the run itself, so a restart before the first checkpoint counts too.
     attempt = logger.previous_attempts() + 1
-    _record_placement(logger, world_size, attempt=attempt)
+    nodes_used = _record_placement(logger, world_size, attempt=attempt)
+    if rank == 0 and nodes_used != spec.cluster.nodes:
+        # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
+        worker_config.tell(
+            f"workers landed on {nodes_used} node(s), not the {spec.cluster.nodes} asked for; "
+            "per-node figures in this run do not describe that many nodes"
+        )
     # After a restart, each epoch is logged once: epochs checkpointed whose metrics never reached
     # MLflow are logged from the checkpoint; epochs logged but not checkpointed (the failure came
     # between the two) are re-run from the checkpoint, deterministically, and not logged again.
@@ -193,8 +199,10 @@ def train_loop_per_worker(config: dict) -> None:
 # ---- helpers -------------------------------------------------------------------------
 
 
-def _record_placement(logger, world_size: int, *, attempt: int) -> None:
-    """Every rank says which Ray node it runs on; rank 0 records the list in rank order."""
+def _record_placement(logger, world_size: int, *, attempt: int) -> int:
+    """Every rank says which Ray node it runs on; rank 0 records the list in rank order.
+
+    Returns the number of distinct nodes the workers run on."""
     import ray
 
     mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
@@ -207,6 +215,7 @@ def _record_placement(logger, world_size: int, *, attempt: int) -> None:
             TAG_ATTEMPTS: str(attempt),
         }
     )
+    return len({node_id for node_id, _ in placements})
 
 
 def _all_reduce_mean(value: torch.Tensor, world_size: int) -> float:

@@ -19,7 +19,7 @@ def assert_complete(client: MlflowClient, run) -> None:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(EPOCHS)), f"{key} logged at {steps}"
     assert "total_time_s" in run.data.metrics
-    assert any(a.path == "model" for a in client.list_artifacts(run.info.run_id))
+    assert "model/model_state_dict.pt" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
 
 
 def the_run(server: MlflowServer):

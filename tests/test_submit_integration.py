@@ -54,8 +54,14 @@ def test_seed_linear_on_two_nodes(workdir):
     assert "model/model_state_dict.pt" in artifacts
 
 
-def test_digits_learns_real_data(workdir):
-    result = run_rayapp("submit", "--nodes", "1", "--epochs", "8", str(JOBS / "digits_mlp.yaml"), cwd=workdir)
+def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):
+    result = run_rayapp("submit", "--nodes", "1", "--workers-per-node", "2", "--epochs", "8",
+                        str(JOBS / "digits_mlp.yaml"), cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "workers landed on" not in result.stdout
     run = only_run(mlflow_client(workdir))
     assert run.data.metrics["test_accuracy"] > 0.85
+    assert (run.data.params["workers_per_node"], run.data.params["world_size"]) == ("2", "2")
+    assert run.data.params["batch_size"] == "32"  # global batch 64 split over 2 workers
+    node_ids = run.data.tags[TAG_NODE_IDS].split(",")
+    assert len(node_ids) == 2 and len(set(node_ids)) == 1
