@@ -1,0 +1,109 @@
+"""The baseline for `rayapp_vs_torchrun.py`: a plain DDP loop, launched by torchrun.
+
+It trains exactly what `rayapp submit` trains for the same job and world size (same spec,
+data set, model, loss, optimizer, sampler and batch size), with none of rayapp's extras:
+no Ray, no MLflow, no checkpoints, DDP's default all-reduce hook. Each epoch is timed the
+way rayapp times it (perf_counter around the step loop, the slowest rank's figure), and
+rank 0 writes the per-epoch times to a JSON file.
+
+    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29500 \\
+        benchmarks/torchrun_ddp.py --job jobs/mlp_synthetic.yaml --epochs 6 --out /tmp/torchrun.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from rayapp.data import build_datasets
+from rayapp.loader import load_spec
+from rayapp.models import build_loss, build_model, build_optimizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="rayapp job YAML")
+    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
+    parser.add_argument("--out", required=True, help="JSON file rank 0 writes the per-epoch times to")
+    parser.add_argument(
+        "--comm-hook", choices=("default", "rayapp"), default="default",
+        help="DDP's default all-reduce hook, or rayapp's timed hook (rayapp.timing), to measure what it costs",
+    )
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # One worker per "node", as `rayapp submit --nodes N --workers-per-node 1` runs it.
+    spec = load_spec(args.job, {"cluster.nodes": world_size, "cluster.workers_per_node": 1, "train.epochs": args.epochs})
+
+    datasets = build_datasets(spec)
+    sampler = DistributedSampler(
+        datasets.train, num_replicas=world_size, rank=rank, shuffle=True, seed=spec.train.seed, drop_last=True
+    )
+    loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
+    model = DistributedDataParallel(build_model(spec))
+    if args.comm_hook == "rayapp":
+        from rayapp.timing import CommTimer, timed_allreduce_hook
+
+        model.register_comm_hook(None, timed_allreduce_hook(CommTimer()))
+    optimizer = build_optimizer(spec, model)
+    loss_fn = build_loss(spec)
+
+    threads: list = [None] * world_size
+    dist.all_gather_object(threads, {"torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")})
+
+    epoch_times, losses, epoch_ends, epoch_ends_unix = [], [], [], []
+    for epoch in range(spec.train.epochs):
+        sampler.set_epoch(epoch)
+        loss_sum = torch.zeros(())
+        started = time.perf_counter()
+        for inputs, targets in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+        elapsed = time.perf_counter() - started
+
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        mean_loss = (loss_sum / spec.steps_per_epoch).clone()
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
+        epoch_times.append(slowest.item())
+        losses.append(mean_loss.item() / world_size)
+        epoch_ends.append(time.perf_counter())
+        epoch_ends_unix.append(time.time())
+
+    if rank == 0:
+        result = {
+            "job": spec.name,
+            "world_size": world_size,
+            "backend": dist.get_backend(),
+            "comm_hook": args.comm_hook,
+            "epochs": spec.train.epochs,
+            "steps_per_epoch": spec.steps_per_epoch,
+            "batch_size_per_worker": spec.batch_size_per_worker,
+            "epoch_time_s": epoch_times,
+            "loss": losses,
+            "epoch_end_s": epoch_ends,
+            "epoch_end_unix": epoch_ends_unix,
+            "threads_per_rank": threads,
+            "torch_version": torch.__version__,
+        }
+        out = Path(args.out)
+        partial = out.with_suffix(out.suffix + ".partial")
+        partial.write_text(json.dumps(result, indent=2))
+        partial.replace(out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
