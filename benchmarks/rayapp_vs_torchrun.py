@@ -8,12 +8,14 @@ One run trains the job twice at the same world size (default 2 workers, Gloo on 
 2. rayapp: `python -m rayapp submit --nodes W ...` on its embedded W-node Ray cluster, with MLflow in a
    SQLite store in a temporary directory; `epoch_time_s` is read back from MLflow.
 
-Then it times rank 0's per-epoch MLflow write (`RunLogger.log_epoch`, the 7 epoch metrics) against a
-SQLite store of the same kind, and prints the comparison. Steady state = median over the epochs after
-the first (warm-up).
+Then it times rank 0's per-epoch MLflow logging (the `RunLogger.log_epoch` call and the write of the 7
+epoch metrics) against a SQLite store of the same kind, and prints the comparison. Steady state = median
+over the epochs after the first (warm-up). rayapp's `epoch_time_s` covers the step loop only; its wall
+time per epoch, checkpoint and logging included, comes from the MLflow timestamps of consecutive epochs.
+docs/benchmarks.md explains the figures and what they showed.
 
     python benchmarks/rayapp_vs_torchrun.py                       # jobs/mlp_synthetic.yaml, 2 workers, 6 epochs
-    python benchmarks/rayapp_vs_torchrun.py --epochs 10 --json-out bench.json
+    python benchmarks/rayapp_vs_torchrun.py --epochs 20 --json-out bench.json --wait-idle 300
 
 Exit codes: 0 when both runs completed (whatever the verdicts), 1 when a step failed, 2 for bad
 arguments, 130 on Ctrl-C. Every process a step starts is stopped before the script exits.
@@ -390,7 +392,7 @@ def cpu_note(step: Step, classify, window: tuple[float, float]) -> dict:
     }
 
 
-def run_torchrun(args, tmp: Path, commands: list[str]) -> tuple[dict, Step]:
+def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> tuple[dict, Step]:
     out = tmp / "torchrun.json"
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
@@ -398,10 +400,12 @@ def run_torchrun(args, tmp: Path, commands: list[str]) -> tuple[dict, Step]:
         *launcher, "--nproc-per-node", str(args.workers), "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(BASELINE.relative_to(REPO)),
         "--job", args.job, "--epochs", str(args.epochs), "--out", str(out),
+        *(["--comm-hook", args.baseline_comm_hook] if args.baseline_comm_hook != "default" else []),
     ]
     env = child_env()
-    if args.workers == 1:
-        env["OMP_NUM_THREADS"] = "1"  # torchrun leaves a single process alone; match Ray's 1 CPU per worker
+    if args.workers == 1 or cpus_per_worker != 1:
+        # torchrun sets 1 only when it starts several processes; Ray sets the worker's CPUs: match Ray.
+        env["OMP_NUM_THREADS"] = str(cpus_per_worker)
     commands.append(shown(command, env))
     step = Step("torchrun", command, env=env, log_path=tmp / "torchrun.log", timeout_s=args.step_timeout)
     step.run()
@@ -409,9 +413,9 @@ def run_torchrun(args, tmp: Path, commands: list[str]) -> tuple[dict, Step]:
         raise StepFailed(f"torchrun finished but wrote no results to {out}")
     result = json.loads(out.read_text())
     threads = {t["torch_threads"] for t in result["threads_per_rank"]}
-    if threads != {1}:
+    if threads != {cpus_per_worker}:
         console.print(f"[yellow]warning:[/yellow] torchrun workers ran {sorted(threads)} torch threads, "
-                      "rayapp's workers run 1; the comparison is not like for like")
+                      f"rayapp's workers run {cpus_per_worker}; the comparison is not like for like")
     return result, step
 
 
@@ -560,7 +564,8 @@ def report(figures: dict, commands: list[str]) -> None:
     )
     threads = ", ".join(f"rank {i}: torch {t['torch_threads']} thread(s), OMP_NUM_THREADS={t['OMP_NUM_THREADS']}"
                         for i, t in enumerate(f["torchrun_threads"]))
-    console.print(f"threads  torchrun: {threads}; rayapp: Ray sets OMP_NUM_THREADS to the worker's CPUs (1).")
+    console.print(f"threads  torchrun: {threads}; rayapp: Ray sets OMP_NUM_THREADS to the worker's CPUs "
+                  f"({f['cpus_per_worker']}).")
     for name in ("torchrun", "rayapp"):
         cpu = f[f"cpu_during_{name}"]
         kinds = ", ".join(f"{kind} {g['cpu_s']:.1f} (nice {'/'.join(map(str, g['nice']))})"
@@ -581,10 +586,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=6, help="epochs for both runs; the first is warm-up (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="world size, one worker per Ray node (default: %(default)s)")
+    parser.add_argument("--baseline-comm-hook", choices=("default", "rayapp"), default="default",
+                        help="all-reduce hook of the torchrun baseline: DDP's default, or rayapp's timed hook, "
+                             "to separate what rayapp's comm timing costs from the rest (default: %(default)s)")
     parser.add_argument("--log-calls", type=int, default=20, help="timed MLflow log_epoch calls (default: %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=600, help="seconds each run may take (default: %(default)s)")
     parser.add_argument("--wait-idle", type=float, default=0, metavar="S",
-                        help="before each run, wait up to S seconds for another Ray cluster on this machine to stop (default: %(default)s)")
+                        help="before each run, wait up to S seconds for other processes to leave the cores alone "
+                             "(under a quarter of a core); 0 only checks and warns (default: %(default)s)")
     parser.add_argument("--json-out", help="write the figures to this JSON file")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory (logs, MLflow store)")
     args = parser.parse_args(argv)
@@ -623,7 +632,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         wait_until_idle(args.wait_idle)
         console.print(f"[bold]1/3 torchrun[/bold] ({args.workers} processes, plain DDP)")
-        baseline, torchrun_step = run_torchrun(args, tmp, commands)
+        baseline, torchrun_step = run_torchrun(args, tmp, commands, spec.cluster.cpus_per_worker)
         wait_until_idle(args.wait_idle)
         console.print(f"[bold]2/3 rayapp submit[/bold] (embedded {args.workers}-node Ray cluster)")
         tracking_uri, run_id, rayapp_step = run_rayapp(args, tmp, commands)
@@ -663,6 +672,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "epochs": args.epochs,
         "steps_per_epoch": spec.steps_per_epoch,
         "batch_size_per_worker": spec.batch_size_per_worker,
+        "baseline_comm_hook": args.baseline_comm_hook,
+        "cpus_per_worker": spec.cluster.cpus_per_worker,
         "torchrun_epoch_s": torchrun_epoch,
         "rayapp_epoch_s": rayapp_epoch,
         "ratio": rayapp_epoch / torchrun_epoch,

@@ -72,6 +72,7 @@ class EmbeddedCluster:
     _processes: list[subprocess.Popen] = field(default_factory=list)
     _temp_dir: Optional[str] = None
     _node_temp_dirs: list[str] = field(default_factory=list)
+    _owns_log_dir: bool = False
 
     @property
     def auth_env(self) -> dict[str, str]:
@@ -100,16 +101,18 @@ class EmbeddedCluster:
         try:
             self.start()
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # Node logs are kept when something went wrong: the error message points at them.
+        self.stop(keep_logs=exc_type is not None)
 
     def start(self) -> None:
         self._temp_dir = tempfile.mkdtemp(prefix="rayapp-")
         # Node logs outlive the cluster so that a failed start can still be read.
+        self._owns_log_dir = self.log_dir is None
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rayapp-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
@@ -197,7 +200,7 @@ class EmbeddedCluster:
             f"see logs in {self.log_dir}"
         )
 
-    def stop(self) -> None:
+    def stop(self, *, keep_logs: bool = False) -> None:
         """SIGTERM each `ray start --block` leader, which stops its own daemons in order (seconds;
         signalling the whole session instead makes each daemon drain on its own, ~30 s). Then
         SIGKILL whatever is left in those sessions, so nothing outlives the cluster."""
@@ -214,6 +217,8 @@ class EmbeddedCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
         self._processes.clear()
+        if self._owns_log_dir and not keep_logs and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
         for directory in [self._temp_dir, *self._node_temp_dirs]:
             if directory:
                 shutil.rmtree(directory, ignore_errors=True)

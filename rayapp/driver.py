@@ -30,6 +30,8 @@ from rayapp.tracking import (
 from rayapp.worker import WorkerConfig, train_loop_per_worker
 
 ProgressCallback = Callable[[dict], None]
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+CONTROLLER_POLL_S = "0.2"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
 
     submitted_at = time.time()
     status = options.on_status or (lambda _: None)
+    # Ray Train's controller takes one reported result per poll, every 2 s by default, and a worker
+    # that reports again blocks until then: every epoch shorter than 2 s was stretched to 2 s
+    # (measured: 2.01 s wall per 0.6 s epoch; 0.62 s at 0.2 s polling). Ray passes this variable
+    # on to the controller; a value the user set wins.
+    os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
     with _ray_cluster(spec, verbose=options.verbose, status=status) as cluster_label:
         check_capacity(spec, wait_s=options.schedule_timeout_s)
