@@ -8,7 +8,6 @@ The cluster and the server are started once for the module; the tests run in fil
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -68,7 +67,6 @@ def _alive_nodes(dashboard_url: str, token: str) -> int:
     return sum(1 for node in nodes if node.get("state") == "ALIVE")
 
 
-@dataclasses.dataclass
 def _stop_running_jobs(dashboard_url: str) -> None:
     """A job's driver runs in a session of its own, outside the nodes' sessions: stop it through
     the Jobs API before the cluster goes, so that no driver outlives the test."""
