@@ -293,8 +293,17 @@ def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
             storage_path=_storage_path(spec.cluster.storage_path),
             failure_config=FailureConfig(max_failures=spec.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            worker_runtime_env=_worker_env(),
         ),
     )
+
+
+def _worker_env() -> Optional[dict]:
+    """rayapp settings from the submitting shell that the workers need, also on a remote cluster."""
+    from rayapp.outbox import GRACE_ENV
+
+    env_vars = {name: os.environ[name] for name in (GRACE_ENV,) if name in os.environ}
+    return {"env_vars": env_vars} if env_vars else None
 
 
 def _storage_path(path: str) -> str:

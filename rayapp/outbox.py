@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 FALLBACK_SUFFIX = ".mlflow-fallback.jsonl"
-DOWN_GRACE_S = 10.0
+GRACE_ENV = "RAYAPP_MLFLOW_GRACE_S"
+"""How long a finished job waits for an unreachable tracking server before writing the fallback file."""
+DEFAULT_GRACE_S = 30.0
 # A dead server should fail a request in seconds, not after MLflow's default minutes of retries:
 # the outbox does its own retrying, and the training loop never waits on it.
 CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -88,7 +90,7 @@ class Outbox:
             self._pending.append(record)
             self._condition.notify()
 
-    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+    def close(self, timeout_s: float = 120.0) -> Optional[Path]:
         """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered."""
         started = time.monotonic()
         with self._condition:
@@ -110,7 +112,8 @@ class Outbox:
 
     def _patience(self, timeout_s: float) -> float:
         """While the server is answering, wait the full timeout; once it is down, a short grace."""
-        return min(timeout_s, DOWN_GRACE_S) if self._down_since is not None else timeout_s
+        grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+        return min(timeout_s, grace) if self._down_since is not None else timeout_s
 
     def _send_forever(self) -> None:
         """Deliver the oldest record, drop it from the queue only once delivered; back off while down."""

@@ -190,7 +190,7 @@ class RunLogger(NullLogger):
 
         self._outbox.put(Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path}))
 
-    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+    def close(self, timeout_s: float = 120.0) -> Optional[Path]:
         """Flush; returns the fallback file when the server could not take everything."""
         return self._outbox.close(timeout_s)
 

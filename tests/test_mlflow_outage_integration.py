@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from rayapp.outbox import GRACE_ENV
 from rayapp.tracking import EPOCH_METRICS
 
 from conftest import JOBS, MlflowServer, run_rayapp, start_rayapp, wait_for_line
@@ -36,7 +37,9 @@ def submit_args(server: MlflowServer) -> list[str]:
 
 def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
     server = MlflowServer(tmp_path).start()
-    process = start_rayapp(*submit_args(server), cwd=tmp_path)
+    # Epochs here take a fraction of a second, so training may end before the server is back;
+    # a long grace keeps the job waiting for it rather than writing the fallback file.
+    process = start_rayapp(*submit_args(server), cwd=tmp_path, env={GRACE_ENV: "180"})
     try:
         seen = wait_for_line(process, f"2/{EPOCHS}  loss")
         server.stop()
@@ -46,6 +49,7 @@ def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
         output = "".join(seen) + output
         assert process.returncode == 0, output[-3000:]
         assert "MLflow at" in output and "not answering" in output
+        assert not list(tmp_path.glob("rayapp_results/*/*.mlflow-fallback.jsonl"))
         client, run = the_run(server)
         assert run.info.status == "FINISHED"
         assert_complete(client, run)
@@ -57,7 +61,7 @@ def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
 
 def test_server_gone_until_the_end_leaves_a_fallback_file_to_import(tmp_path):
     server = MlflowServer(tmp_path).start()
-    process = start_rayapp(*submit_args(server), cwd=tmp_path)
+    process = start_rayapp(*submit_args(server), cwd=tmp_path, env={GRACE_ENV: "5"})
     try:
         seen = wait_for_line(process, f"2/{EPOCHS}  loss")
         server.stop()
