@@ -7,6 +7,7 @@ loop (timing and logging marked), then the end-of-run records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -166,7 +167,9 @@ def train_loop_per_worker(config: dict) -> None:
         history.append(metrics)
 
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
-        _report_with_checkpoint(model, optimizer, epoch=epoch, history=history, run_id=worker_config.run_id, rank=rank)
+        state = _report_with_checkpoint(
+            model, optimizer, epoch=epoch, history=history, run_id=worker_config.run_id, rank=rank
+        )
         if epoch not in already_logged:
             logger.log_epoch(epoch, metrics)
         if rank == 0 and worker_config.progress is not None:
@@ -175,7 +178,8 @@ def train_loop_per_worker(config: dict) -> None:
     # -- end of run
     finals = {"total_time_s": time.perf_counter() - loop_started, "param_bytes_per_rank": local_parameter_bytes(model)}
     logger.log_metrics(finals, step=spec.train.epochs - 1)
-    state = _state_dict(model, optimizer)  # a collective under FSDP: every rank takes part
+    if start_epoch >= spec.train.epochs:  # resumed after the last epoch's checkpoint: nothing trained here
+        state = _state_dict(model, optimizer)  # a collective under FSDP: every rank takes part
     if rank == 0:
         with tempfile.TemporaryDirectory() as directory:
             model_path = os.path.join(directory, "model_state_dict.pt")
@@ -183,7 +187,7 @@ def train_loop_per_worker(config: dict) -> None:
             logger.log_artifact(model_path, "model")
             spec_path = os.path.join(directory, "job_spec.json")
             with open(spec_path, "w") as handle:
-                json.dump(_spec_as_dict(spec), handle, indent=2)
+                json.dump(dataclasses.asdict(spec), handle, indent=2)
             logger.log_artifact(spec_path)
     undelivered = logger.close()
     if undelivered is not None:
@@ -270,8 +274,10 @@ def _load_state(model, optimizer, state: dict) -> None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
-def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_id: str, rank: int) -> None:
-    """Every rank reports once per epoch (Ray Train requires equal counts); rank 0 attaches the checkpoint."""
+def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_id: str, rank: int) -> dict:
+    """Every rank reports once per epoch (Ray Train requires equal counts); rank 0 attaches the checkpoint.
+
+    Returns the full state dict it saved, which the end of the run reuses for the model artifact."""
     import ray.train
     from ray.train import Checkpoint
 
@@ -279,14 +285,9 @@ def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_
     metrics = {"epoch": epoch, **history[-1]}
     if rank != 0:
         ray.train.report(metrics)
-        return
+        return state
     with tempfile.TemporaryDirectory() as directory:
-        state.update(epoch=epoch, history=history, run_id=run_id)
-        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+        torch.save({**state, "epoch": epoch, "history": history, "run_id": run_id}, os.path.join(directory, CHECKPOINT_FILE))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
+    return state
 
-
-def _spec_as_dict(spec: JobSpec) -> dict:
-    from dataclasses import asdict
-
-    return asdict(spec)
