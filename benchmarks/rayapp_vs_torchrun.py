@@ -307,6 +307,45 @@ class Step:
                 pass
 
 
+def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dict:
+    """One torchrun run and one rayapp run; odd pairs start with rayapp, so slow drift of the machine
+    does not always favour the same side."""
+    label = f"pair {index + 1}/{args.pairs}: " if args.pairs > 1 else ""
+    order = ("torchrun", "rayapp") if index % 2 == 0 else ("rayapp", "torchrun")
+    results: dict = {}
+    for position, side in enumerate(order, start=1):
+        wait_until_idle(args.wait_idle)
+        if side == "torchrun":
+            console.print(f"[bold]{label}{position}/2 torchrun[/bold] ({args.workers} processes, plain DDP)")
+            results["torchrun"], results["torchrun_step"] = run_torchrun(
+                args, pair_dir, commands if index == 0 else [], spec.cluster.cpus_per_worker)
+        else:
+            console.print(f"[bold]{label}{position}/2 rayapp submit[/bold] (embedded {args.workers}-node Ray cluster)")
+            tracking_uri, run_id, results["rayapp_step"] = run_rayapp(args, pair_dir, commands if index == 0 else [])
+            results["tracking_uri"] = tracking_uri
+            results["rayapp"] = read_rayapp_run(tracking_uri, run_id, args.epochs)
+    baseline, rayapp = results["torchrun"], results["rayapp"]
+    torchrun_epoch, rayapp_epoch = steady(baseline["epoch_time_s"]), steady(rayapp["epoch_time_s"])
+    if args.pairs > 1:
+        console.print(f"{label}torchrun {torchrun_epoch:.4f} s, rayapp {rayapp_epoch:.4f} s, "
+                      f"ratio {rayapp_epoch / torchrun_epoch:.3f}")
+    return {
+        "dir": pair_dir,
+        "first": order[0],
+        "torchrun": baseline,
+        "rayapp": rayapp,
+        "tracking_uri": results["tracking_uri"],
+        "torchrun_epoch_s": torchrun_epoch,
+        "rayapp_epoch_s": rayapp_epoch,
+        "ratio": rayapp_epoch / torchrun_epoch,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"])),
+        "cpu_during_torchrun": cpu_note(results["torchrun_step"], classify_torchrun,
+                                        (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1])),
+        "cpu_during_rayapp": cpu_note(results["rayapp_step"], classify_rayapp,
+                                      (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1])),
+    }
+
+
 # ---- measurements ----------------------------------------------------------------------
 
 
@@ -400,7 +439,7 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
         *launcher, "--nproc-per-node", str(args.workers), "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(BASELINE.relative_to(REPO)),
         "--job", args.job, "--epochs", str(args.epochs), "--out", str(out),
-        *(["--comm-hook", args.baseline_comm_hook] if args.baseline_comm_hook != "default" else []),
+        *(["--comm-clock", args.baseline_comm_clock] if args.baseline_comm_clock != "none" else []),
     ]
     env = child_env()
     if args.workers == 1 or cpus_per_worker != 1:
@@ -536,9 +575,13 @@ def report(figures: dict, commands: list[str]) -> None:
     table.add_column("value", justify="right")
     table.add_column("target", justify="right")
     table.add_column("result", justify="center")
-    table.add_row("torchrun median epoch s (step loop)", f"{f['torchrun_epoch_s']:.4f}", "", "")
-    table.add_row("rayapp median epoch s (epoch_time_s)", f"{f['rayapp_epoch_s']:.4f}", "", "")
-    table.add_row("ratio rayapp / torchrun", f"{f['ratio']:.3f}", f"<= {TARGET_RATIO:.2f}", verdict(f["ratio_pass"]))
+    pairs = len(f["pairs"])
+    over = f" (median of {pairs} pairs)" if pairs > 1 else ""
+    table.add_row(f"torchrun median epoch s (step loop){over}", f"{f['torchrun_epoch_s']:.4f}", "", "")
+    table.add_row(f"rayapp median epoch s (epoch_time_s){over}", f"{f['rayapp_epoch_s']:.4f}", "", "")
+    ratio_label = "ratio rayapp / torchrun" + (" (median of the pairs' ratios)" if pairs > 1 else "")
+    table.add_row(ratio_label,
+                  f"{f['ratio']:.3f}", f"<= {TARGET_RATIO:.2f}", verdict(f["ratio_pass"]))
     table.add_row("MLflow log_epoch call s/epoch (median)", f"{f['log_call_s']:.4f}", "", "")
     table.add_row("MLflow write s/epoch (median)", f"{f['log_epoch_s']:.4f}", "", "")
     table.add_row("log share of rayapp epoch", f"{f['log_share']:.2%}", f"<= {TARGET_LOG_SHARE:.0%}", verdict(f["log_share_pass"]))
@@ -547,6 +590,16 @@ def report(figures: dict, commands: list[str]) -> None:
     table.add_row("rayapp wall s/epoch incl. checkpoint+logging", f"{f['rayapp_wall_s']:.4f}", "", "")
     table.add_row("ratio of wall s/epoch rayapp / torchrun", f"{f['wall_ratio']:.3f}", "none", "[dim]info[/dim]")
     console.print(table)
+    if pairs > 1:
+        by_pair = Table(title="pairs (the first of each pair ran first; the order alternates)")
+        for column in ("pair", "first", "torchrun epoch s", "rayapp epoch s", "ratio", "other CPU (cores)"):
+            by_pair.add_column(column, justify="left" if column == "first" else "right")
+        for number, pair in enumerate(f["pairs"], start=1):
+            others = [pair[f"cpu_during_{side}"]["other_processes_cores_in_steady_state"] for side in ("torchrun", "rayapp")]
+            by_pair.add_row(str(number), pair["first"], f"{pair['torchrun_epoch_s']:.4f}", f"{pair['rayapp_epoch_s']:.4f}",
+                            f"{pair['ratio']:.3f}", " / ".join("-" if o is None else f"{o:.2f}" for o in others))
+        console.print(by_pair)
+        console.print("per-epoch, wall and CPU figures below are the last pair's")
 
     def fmt(values):
         return "  ".join(f"{v:.3f}" for v in values)
@@ -586,9 +639,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=6, help="epochs for both runs; the first is warm-up (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="world size, one worker per Ray node (default: %(default)s)")
-    parser.add_argument("--baseline-comm-hook", choices=("default", "rayapp"), default="default",
-                        help="all-reduce hook of the torchrun baseline: DDP's default, or rayapp's timed hook, "
-                             "to separate what rayapp's comm timing costs from the rest (default: %(default)s)")
+    parser.add_argument("--baseline-comm-clock", choices=("none", "rayapp"), default="none",
+                        help="give the torchrun baseline rayapp's per-step comm clock, to separate what rayapp's "
+                             "comm timing costs from the rest (default: %(default)s)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="torchrun/rayapp pairs to run, alternating which goes first; the ratio verdict uses the "
+                             "median of the pairs' ratios (default: %(default)s)")
     parser.add_argument("--log-calls", type=int, default=20, help="timed MLflow log_epoch calls (default: %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=600, help="seconds each run may take (default: %(default)s)")
     parser.add_argument("--wait-idle", type=float, default=0, metavar="S",
@@ -609,8 +665,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("mlflow", "alembic"):  # database set-up notes at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    if args.epochs < 2 or args.workers < 1 or args.log_calls < 1:
-        fail("need --epochs >= 2 (the first is warm-up), --workers >= 1 and --log-calls >= 1")
+    if args.epochs < 2 or args.workers < 1 or args.log_calls < 1 or args.pairs < 1:
+        fail(f"need --epochs >= 2 (the first is warm-up), --workers >= 1, --log-calls >= 1 and --pairs >= 1; "
+             f"got --epochs {args.epochs} --workers {args.workers} --log-calls {args.log_calls} --pairs {args.pairs}")
         return 2
     args.job = str(Path(args.job).resolve())
     try:
@@ -630,17 +687,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands: list[str] = []
     ok = False
     try:
-        wait_until_idle(args.wait_idle)
-        console.print(f"[bold]1/3 torchrun[/bold] ({args.workers} processes, plain DDP)")
-        baseline, torchrun_step = run_torchrun(args, tmp, commands, spec.cluster.cpus_per_worker)
-        wait_until_idle(args.wait_idle)
-        console.print(f"[bold]2/3 rayapp submit[/bold] (embedded {args.workers}-node Ray cluster)")
-        tracking_uri, run_id, rayapp_step = run_rayapp(args, tmp, commands)
-        rayapp = read_rayapp_run(tracking_uri, run_id, args.epochs)
-        torchrun_cpu = cpu_note(torchrun_step, classify_torchrun, (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1]))
-        rayapp_cpu = cpu_note(rayapp_step, classify_rayapp, (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1]))
-        console.print(f"[bold]3/3 MLflow log_epoch cost[/bold] ({args.log_calls} calls, {tracking_uri})")
-        log_cost = time_log_epoch(tracking_uri, args.log_calls, rayapp["metrics_of_last_epoch"], tmp)
+        pairs = []
+        for index in range(args.pairs):
+            pair_dir = tmp / f"pair-{index + 1}"
+            pair_dir.mkdir()
+            pairs.append(run_pair(args, pair_dir, commands, spec, index))
+        last = pairs[-1]
+        console.print(f"[bold]MLflow log_epoch cost[/bold] ({args.log_calls} calls, {last['tracking_uri']})")
+        log_cost = time_log_epoch(last["tracking_uri"], args.log_calls, last["rayapp"]["metrics_of_last_epoch"], last["dir"])
     except StepFailed as exc:
         fail(str(exc))
         return 1
@@ -659,8 +713,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    torchrun_epoch = steady(baseline["epoch_time_s"])
-    rayapp_epoch = steady(rayapp["epoch_time_s"])
+    baseline, rayapp = last["torchrun"], last["rayapp"]
+    ratios = [pair["ratio"] for pair in pairs]
+    torchrun_epoch = statistics.median(pair["torchrun_epoch_s"] for pair in pairs)
+    rayapp_epoch = statistics.median(pair["rayapp_epoch_s"] for pair in pairs)
     torchrun_walls = intervals(baseline["epoch_end_s"])
     rayapp_walls = intervals(rayapp["logged_at_s"])
     log_epoch_s = statistics.median(log_cost["write"])
@@ -672,12 +728,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         "epochs": args.epochs,
         "steps_per_epoch": spec.steps_per_epoch,
         "batch_size_per_worker": spec.batch_size_per_worker,
-        "baseline_comm_hook": args.baseline_comm_hook,
+        "baseline_comm_clock": args.baseline_comm_clock,
         "cpus_per_worker": spec.cluster.cpus_per_worker,
+        "pairs": [{k: v for k, v in pair.items() if k not in ("torchrun", "rayapp", "dir")} for pair in pairs],
         "torchrun_epoch_s": torchrun_epoch,
         "rayapp_epoch_s": rayapp_epoch,
-        "ratio": rayapp_epoch / torchrun_epoch,
-        "ratio_pass": rayapp_epoch / torchrun_epoch <= TARGET_RATIO,
+        "ratio": statistics.median(ratios),
+        "ratio_pass": statistics.median(ratios) <= TARGET_RATIO,
         "log_call_s": statistics.median(log_cost["call"]),
         "log_epoch_s": log_epoch_s,
         "log_share": log_epoch_s / rayapp_epoch,
@@ -693,10 +750,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "log_epoch_calls": log_cost["call"],
         "log_epoch_writes": log_cost["write"],
         "torchrun_threads": baseline["threads_per_rank"],
-        "max_loss_diff": max(abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"])),
-        "rayapp_run_id": run_id,
-        "cpu_during_torchrun": torchrun_cpu,
-        "cpu_during_rayapp": rayapp_cpu,
+        "max_loss_diff": max(pair["max_loss_diff"] for pair in pairs),
+        "rayapp_run_id": rayapp["run_id"],
+        "cpu_during_torchrun": last["cpu_during_torchrun"],
+        "cpu_during_rayapp": last["cpu_during_rayapp"],
         "commands": commands,
         "script_wall_s": time.monotonic() - script_started,
     }

@@ -2,7 +2,7 @@
 
 It trains exactly what `rayapp submit` trains for the same job and world size (same spec,
 data set, model, loss, optimizer, sampler and batch size), with none of rayapp's extras:
-no Ray, no MLflow, no checkpoints, DDP's default all-reduce hook. Each epoch is timed the
+no Ray, no MLflow, no checkpoints, no comm timing. Each epoch is timed the
 way rayapp times it (perf_counter around the step loop, the slowest rank's figure), and
 rank 0 writes the per-epoch times to a JSON file.
 
@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes the per-epoch times to")
     parser.add_argument(
-        "--comm-hook", choices=("default", "rayapp"), default="default",
-        help="DDP's default all-reduce hook, or rayapp's timed hook (rayapp.timing), to measure what it costs",
+        "--comm-clock", choices=("none", "rayapp"), default="none",
+        help="also read rayapp's per-step comm clock (rayapp.timing.DdpCommClock), to measure what it costs",
     )
     args = parser.parse_args()
 
@@ -50,10 +50,11 @@ def main() -> None:
     )
     loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
     model = DistributedDataParallel(build_model(spec))
-    if args.comm_hook == "rayapp":
-        from rayapp.timing import CommTimer, timed_allreduce_hook
+    comm_clock = None
+    if args.comm_clock == "rayapp":
+        from rayapp.timing import DdpCommClock
 
-        model.register_comm_hook(None, timed_allreduce_hook(CommTimer()))
+        comm_clock = DdpCommClock(model)
     optimizer = build_optimizer(spec, model)
     loss_fn = build_loss(spec)
 
@@ -70,6 +71,8 @@ def main() -> None:
             loss = loss_fn(model(inputs), targets)
             loss.backward()
             optimizer.step()
+            if comm_clock is not None:
+                comm_clock.step_finished()
             loss_sum += loss.detach()
         elapsed = time.perf_counter() - started
 
@@ -87,7 +90,7 @@ def main() -> None:
             "job": spec.name,
             "world_size": world_size,
             "backend": dist.get_backend(),
-            "comm_hook": args.comm_hook,
+            "comm_clock": args.comm_clock,
             "epochs": spec.train.epochs,
             "steps_per_epoch": spec.steps_per_epoch,
             "batch_size_per_worker": spec.batch_size_per_worker,

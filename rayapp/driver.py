@@ -225,28 +225,32 @@ def _progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
     if on_progress is None:
         yield None
         return
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Queue
 
     # num_cpus=0: the queue must never compete with training workers for a CPU slot.
     queue = Queue(actor_options={"num_cpus": 0})
-    stop = threading.Event()
+    done = "rayapp-progress-done"
 
     def drain() -> None:
+        # One blocking get at a time rather than polling with a timeout: on a small machine
+        # every needless call into the queue actor takes CPU from the training workers.
         while True:
             try:
-                on_progress(queue.get(timeout=0.5))
-            except Empty:
-                if stop.is_set():
-                    return
+                item = queue.get(block=True)
             except Exception:  # the queue actor is gone (cluster shutting down)
                 return
+            if item == done:
+                return
+            on_progress(item)
 
     thread = threading.Thread(target=drain, name="rayapp-progress", daemon=True)
     thread.start()
     try:
         yield queue
     finally:
-        stop.set()
+        # Put after everything rank 0 put, so the drain shows every epoch before it stops.
+        with contextlib.suppress(Exception):
+            queue.put(done, timeout=5)
         thread.join(timeout=5)
         with contextlib.suppress(Exception):
             queue.shutdown()

@@ -6,15 +6,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rayapp.timing import CommTimer, timed_allreduce_hook
 
-
-def apply_ddp(model: nn.Module, *, device: torch.device, comm_timer: CommTimer) -> nn.Module:
-    """Replicate the model; gradients are averaged by a timed all-reduce hook."""
+def apply_ddp(model: nn.Module, *, device: torch.device) -> nn.Module:
+    """Replicate the model; DDP's built-in all-reduce averages the gradients."""
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp_model = DistributedDataParallel(model, device_ids=device_ids)
-    ddp_model.register_comm_hook(None, timed_allreduce_hook(comm_timer))
-    return ddp_model
+    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def apply_fsdp(model: nn.Module, *, device: torch.device) -> nn.Module:

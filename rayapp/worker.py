@@ -24,7 +24,7 @@ from rayapp.data import build_datasets
 from rayapp.models import build_loss, build_model, build_optimizer
 from rayapp.spec import JobSpec
 from rayapp.strategies import apply_ddp, apply_dp, apply_fsdp, apply_mp, local_parameter_bytes
-from rayapp.timing import CommTimer, Stopwatch, synchronize
+from rayapp.timing import DdpCommClock, Stopwatch, synchronize
 from rayapp.tracking import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
 
 CHECKPOINT_FILE = "state.pt"
@@ -76,7 +76,7 @@ def train_loop_per_worker(config: dict) -> None:
     )
     loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
     model = build_model(spec).to(device)
-    comm_timer = CommTimer()
+    comm_clock = None
     if spec.train.strategy == "fsdp":
         model = apply_fsdp(model, device=device)
     elif spec.train.strategy == "dp":
@@ -84,7 +84,8 @@ def train_loop_per_worker(config: dict) -> None:
     elif spec.train.strategy == "mp":
         model = apply_mp(model, device=device)
     else:
-        model = apply_ddp(model, device=device, comm_timer=comm_timer)
+        model = apply_ddp(model, device=device)
+        comm_clock = DdpCommClock(model)
     optimizer = build_optimizer(spec, model)
     loss_fn = build_loss(spec)
     # Under mp the batch enters on the first GPU and the loss is taken on the second.
@@ -122,7 +123,8 @@ def train_loop_per_worker(config: dict) -> None:
         sampler.set_epoch(epoch)
         data_watch, compute_watch = Stopwatch(device), Stopwatch(device)
         loss_sum = torch.zeros((), device=device)
-        comm_timer.take_total_s()  # drop anything recorded outside this epoch
+        if comm_clock is not None:
+            comm_clock.take_total_s()  # drop anything recorded outside this epoch
         synchronize(device)
         epoch_started = time.perf_counter()
 
@@ -136,6 +138,8 @@ def train_loop_per_worker(config: dict) -> None:
             loss = loss_fn(model(inputs), targets)
             loss.backward()
             optimizer.step()
+            if comm_clock is not None:
+                comm_clock.step_finished()
             loss_sum += loss.detach()
             compute_watch.stop()
 
@@ -148,7 +152,7 @@ def train_loop_per_worker(config: dict) -> None:
         epoch_time = time.perf_counter() - epoch_started
 
         # -- timing and logging: loss averaged over ranks; times are the slowest rank's
-        comm_time = comm_timer.take_total_s() if spec.train.strategy == "ddp" else float("nan")
+        comm_time = comm_clock.take_total_s() if comm_clock is not None else float("nan")
         mean_loss = _all_reduce_mean(loss_sum / spec.steps_per_epoch, world_size)
         epoch_time, compute_time, data_time, comm_time, peak_mem = _all_reduce_max(
             [epoch_time, compute_watch.total_s, data_watch.total_s, comm_time, _peak_memory_mb(device)], device

@@ -66,6 +66,6 @@ def test_fsdp_trains_on_cpu_and_shards_parameters(runs):
     ratio = fsdp.data.metrics["param_bytes_per_rank"] / ddp.data.metrics["param_bytes_per_rank"]
     assert 0.45 < ratio < 0.55, ratio
     assert all(value > 0 for value in history(client, fsdp, "peak_mem_mb"))
-    # FSDP has no DDP comm hook: comm time is recorded as not measured, once per epoch.
+    # FSDP has no DDP reducer to read comm time from: it is recorded as not measured, once per epoch.
     comm = history(client, fsdp, "comm_time_s")
     assert len(comm) == EPOCHS and all(math.isnan(value) for value in comm)
