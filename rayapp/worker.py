@@ -76,7 +76,6 @@ def train_loop_per_worker(config: dict) -> None:
     )
     loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
     model = build_model(spec).to(device)
-    comm_clock = None
     if spec.train.strategy == "fsdp":
         model = apply_fsdp(model, device=device)
     elif spec.train.strategy == "dp":
@@ -85,7 +84,7 @@ def train_loop_per_worker(config: dict) -> None:
         model = apply_mp(model, device=device)
     else:
         model = apply_ddp(model, device=device)
-        comm_clock = DdpCommClock(model)
+    comm_clock = DdpCommClock(model)  # reports NaN for strategies without DDP's reducer
     optimizer = build_optimizer(spec, model)
     loss_fn = build_loss(spec)
     # Under mp the batch enters on the first GPU and the loss is taken on the second.
@@ -123,8 +122,7 @@ def train_loop_per_worker(config: dict) -> None:
         sampler.set_epoch(epoch)
         data_watch, compute_watch = Stopwatch(device), Stopwatch(device)
         loss_sum = torch.zeros((), device=device)
-        if comm_clock is not None:
-            comm_clock.take_total_s()  # drop anything recorded outside this epoch
+        comm_clock.take_total_s()  # drop anything recorded outside this epoch
         synchronize(device)
         epoch_started = time.perf_counter()
 
@@ -138,8 +136,7 @@ def train_loop_per_worker(config: dict) -> None:
             loss = loss_fn(model(inputs), targets)
             loss.backward()
             optimizer.step()
-            if comm_clock is not None:
-                comm_clock.step_finished()
+            comm_clock.step_finished()
             loss_sum += loss.detach()
             compute_watch.stop()
 
@@ -152,7 +149,7 @@ def train_loop_per_worker(config: dict) -> None:
         epoch_time = time.perf_counter() - epoch_started
 
         # -- timing and logging: loss averaged over ranks; times are the slowest rank's
-        comm_time = comm_clock.take_total_s() if comm_clock is not None else float("nan")
+        comm_time = comm_clock.take_total_s()
         mean_loss = _all_reduce_mean(loss_sum / spec.steps_per_epoch, world_size)
         epoch_time, compute_time, data_time, comm_time, peak_mem = _all_reduce_max(
             [epoch_time, compute_watch.total_s, data_watch.total_s, comm_time, _peak_memory_mb(device)], device
