@@ -447,7 +447,16 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
         env["OMP_NUM_THREADS"] = str(cpus_per_worker)
     commands.append(shown(command, env))
     step = Step("torchrun", command, env=env, log_path=tmp / "torchrun.log", timeout_s=args.step_timeout)
-    step.run()
+    try:
+        step.run()
+    except StepFailed:
+        # The results file is written whole (rename) after the last epoch, so its presence means every
+        # epoch ran. A non-zero exit after it is the process's teardown: with torch 2.13, Gloo can abort
+        # at interpreter exit ("terminate called without an active exception").
+        if not out.exists() or step.process is None or step.process.returncode in (None, 0):
+            raise
+        console.print(f"[yellow]warning:[/yellow] torchrun exited with code {step.process.returncode} after "
+                      f"writing its results (a teardown abort at exit; log: {step.log_path}); the results are complete")
     if not out.exists():
         raise StepFailed(f"torchrun finished but wrote no results to {out}")
     result = json.loads(out.read_text())
@@ -540,20 +549,21 @@ def time_log_epoch(tracking_uri: str, calls: int, sample: dict, tmp: Path) -> di
     close_run(tracking_uri, run_id, "FINISHED")
     try:
         from rayapp.outbox import Record, deliver
-    except ImportError:  # RunLogger writes synchronously: the call is the write
-        return {"call": call, "write": call}
+    except ImportError:  # RunLogger writes synchronously: the call is the write, all of it in the loop
+        return {"call": call, "write": call, "write_cpu": call}
 
     from mlflow.tracking import MlflowClient
 
     client, run_id = MlflowClient(tracking_uri), new_run("log-epoch-write")
     deliver(client, [Record("metrics", run_id, step=0, values=metrics)])
-    write = []
+    write, write_cpu = [], []
     for epoch in range(1, calls + 1):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         deliver(client, [Record("metrics", run_id, step=epoch, values=metrics)])
+        write_cpu.append(time.thread_time() - started_cpu)
         write.append(time.perf_counter() - started)
     close_run(tracking_uri, run_id, "FINISHED")
-    return {"call": call, "write": write}
+    return {"call": call, "write": write, "write_cpu": write_cpu}
 
 
 # ---- report ----------------------------------------------------------------------------
@@ -584,7 +594,10 @@ def report(figures: dict, commands: list[str]) -> None:
                   f"{f['ratio']:.3f}", f"<= {TARGET_RATIO:.2f}", verdict(f["ratio_pass"]))
     table.add_row("MLflow log_epoch call s/epoch (median)", f"{f['log_call_s']:.4f}", "", "")
     table.add_row("MLflow write s/epoch (median)", f"{f['log_epoch_s']:.4f}", "", "")
-    table.add_row("log share of rayapp epoch", f"{f['log_share']:.2%}", f"<= {TARGET_LOG_SHARE:.0%}", verdict(f["log_share_pass"]))
+    table.add_row("log share of rayapp epoch (write's wall time)", f"{f['log_share']:.2%}", f"<= {TARGET_LOG_SHARE:.0%}",
+                  verdict(f["log_share_pass"]))
+    table.add_row("MLflow write CPU s/epoch (median)", f"{f['log_epoch_cpu_s']:.4f}", "", "")
+    table.add_row("log share of rayapp epoch (write's CPU time)", f"{f['log_cpu_share']:.2%}", "", "[dim]info[/dim]")
     table.add_section()
     table.add_row("torchrun wall s/epoch (epoch end to epoch end)", f"{f['torchrun_wall_s']:.4f}", "", "")
     table.add_row("rayapp wall s/epoch incl. checkpoint+logging", f"{f['rayapp_wall_s']:.4f}", "", "")
@@ -607,9 +620,11 @@ def report(figures: dict, commands: list[str]) -> None:
     console.print(f"per-epoch s  torchrun step loop: {fmt(f['torchrun_epochs'])}")
     console.print(f"             rayapp epoch_time_s: {fmt(f['rayapp_epochs'])}")
     console.print(f"             rayapp wall (epoch 2 on): {fmt(f['rayapp_walls'])}")
-    console.print(f"MLflow over {len(f['log_epoch_writes'])} epochs' metrics: write median {f['log_epoch_s'] * 1e3:.1f} ms, "
-                  f"max {max(f['log_epoch_writes']) * 1e3:.1f} ms; log_epoch call median {f['log_call_s'] * 1e3:.2f} ms "
-                  "(the share uses the write: rank 0's process does it, in or beside the training loop)")
+    console.print(f"MLflow over {len(f['log_epoch_writes'])} epochs' metrics: write median {f['log_epoch_s'] * 1e3:.1f} ms "
+                  f"(CPU {f['log_epoch_cpu_s'] * 1e3:.1f} ms), max {max(f['log_epoch_writes']) * 1e3:.1f} ms; log_epoch call "
+                  f"median {f['log_call_s'] * 1e3:.2f} ms. The verdict uses the write's wall time, the stricter figure: "
+                  "rank 0's background sender does the write beside the training loop, and what it takes from "
+                  "training is its CPU time (the rest is waiting on SQLite's disk sync)")
     console.print(
         "rayapp's epoch_time_s stops the clock at the end of the step loop; its per-epoch checkpoint "
         "(full state dict, torch.save, ray.train.report) and MLflow write are excluded from it and show only "
@@ -720,6 +735,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torchrun_walls = intervals(baseline["epoch_end_s"])
     rayapp_walls = intervals(rayapp["logged_at_s"])
     log_epoch_s = statistics.median(log_cost["write"])
+    log_epoch_cpu_s = statistics.median(log_cost["write_cpu"])
     figures = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU used",
@@ -739,6 +755,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "log_epoch_s": log_epoch_s,
         "log_share": log_epoch_s / rayapp_epoch,
         "log_share_pass": log_epoch_s / rayapp_epoch <= TARGET_LOG_SHARE,
+        "log_epoch_cpu_s": log_epoch_cpu_s,
+        "log_cpu_share": log_epoch_cpu_s / rayapp_epoch,
+        "log_epoch_writes_cpu": log_cost["write_cpu"],
         "torchrun_wall_s": statistics.median(torchrun_walls),
         "rayapp_wall_s": statistics.median(rayapp_walls),
         "wall_ratio": statistics.median(rayapp_walls) / statistics.median(torchrun_walls),
