@@ -204,6 +204,9 @@ class EmbeddedCluster:
         """SIGTERM each `ray start --block` leader, which stops its own daemons in order (seconds;
         signalling the whole session instead makes each daemon drain on its own, ~30 s). Then
         SIGKILL whatever is left in those sessions, so nothing outlives the cluster."""
+        # Taken before any signal: once a raylet is gone, its workers are re-parented and no longer
+        # show as descendants of the node they belonged to.
+        tree = _descendants([process.pid for process in self._processes if process.poll() is None])
         for process in reversed(self._processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -217,6 +220,7 @@ class EmbeddedCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
         self._processes.clear()
+        _kill_and_wait(tree, timeout_s=STOP_TIMEOUT_S)
         if self._owns_log_dir and not keep_logs and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         for directory in [self._temp_dir, *self._node_temp_dirs]:
@@ -230,3 +234,57 @@ def _signal_session(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks, or None once it has exited (a zombie has exited).
+
+    Compared with a snapshot, it tells the same process from a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _descendants(roots: list[int]) -> dict[int, str]:
+    """Every live process below the roots, pid -> start time, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: nothing to add to the session signals
+        return {}
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found: dict[int, str] = {}
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            started = _start_time(child)
+            if started is not None:
+                found[child] = started
+                stack.append(child)
+    return found
+
+
+def _kill_and_wait(tree: dict[int, str], *, timeout_s: float) -> None:
+    """SIGKILL what is left of a snapshot of the cluster's processes, and wait until it has exited.
+
+    Ray workers run in process groups of their own, so the SIGKILL to each node's group misses them;
+    left alone they exit when they notice their raylet is gone, which can take seconds."""
+    def survivors() -> list[int]:
+        return [pid for pid, started in tree.items() if _start_time(pid) == started]
+
+    for pid in survivors():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while survivors() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,50 @@
+"""EmbeddedCluster.stop() on a real two-node cluster: when it returns, every process the cluster ran is gone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rayapp.cluster import EmbeddedCluster
+
+from conftest import alive, descendants
+
+pytestmark = pytest.mark.integration
+
+
+def test_stop_returns_only_after_every_cluster_process_has_exited():
+    import ray
+
+    cluster = EmbeddedCluster(nodes=2, cpus_per_node=1)
+    cluster.start()
+    try:
+        cluster.prepare_client()
+        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False)
+        cluster.wait_for_nodes()
+
+        @ray.remote(num_cpus=1)
+        class Spawner:
+            """A worker that starts a process of its own, as a data loader or a user's tool would."""
+
+            def start_child(self) -> tuple[int, int]:
+                import subprocess
+
+                self.child = subprocess.Popen(["sleep", "300"])
+                return os.getpid(), self.child.pid
+
+        # One per node, detached like some of Ray Train's own actors: such a worker outlives the
+        # driver and runs in a process group of its own, so it exits only once it notices that
+        # its raylet is gone, unless stop() sees to it.
+        actors = [
+            Spawner.options(scheduling_strategy="SPREAD", lifetime="detached", name=f"spawner-{i}").remote()
+            for i in range(2)
+        ]
+        pids = ray.get([actor.start_child.remote() for actor in actors])
+        cluster_pids = set(descendants(os.getpid()))
+        assert {pid for pair in pids for pid in pair} <= cluster_pids
+    finally:
+        ray.shutdown()
+        cluster.stop()
+    # No grace period: stop() itself waits for the stragglers.
+    assert not [pid for pid in cluster_pids if alive(pid)], "processes of the cluster outlived stop()"
