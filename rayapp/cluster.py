@@ -203,7 +203,8 @@ class EmbeddedCluster:
     def stop(self, *, keep_logs: bool = False) -> None:
         """SIGTERM each `ray start --block` leader, which stops its own daemons in order (seconds;
         signalling the whole session instead makes each daemon drain on its own, ~30 s). Then
-        SIGKILL whatever is left in those sessions, so nothing outlives the cluster."""
+        SIGKILL whatever is left of each node's process group, and of every process that ran below
+        the nodes when stop() began, and wait for them: nothing outlives the cluster."""
         # Taken before any signal: once a raylet is gone, its workers are re-parented and no longer
         # show as descendants of the node they belonged to.
         tree = _descendants([process.pid for process in self._processes if process.poll() is None])
