@@ -42,6 +42,17 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def connect(cluster) -> None:
+    """Make this process a driver of a started EmbeddedCluster, once all its nodes are alive.
+
+    ray.shutdown() disconnects again; the cluster itself is stopped by cluster.stop()."""
+    import ray
+
+    cluster.prepare_client()
+    ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False)
+    cluster.wait_for_nodes()
+
+
 def mlflow_client(workdir: Path):
     from mlflow.tracking import MlflowClient
 

@@ -8,7 +8,7 @@ import pytest
 
 from rayapp.cluster import EmbeddedCluster
 
-from conftest import alive, descendants
+from conftest import alive, connect, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -19,9 +19,7 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
     cluster = EmbeddedCluster(nodes=2, cpus_per_node=1)
     cluster.start()
     try:
-        cluster.prepare_client()
-        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False)
-        cluster.wait_for_nodes()
+        connect(cluster)
 
         @ray.remote(num_cpus=1)
         class Spawner:

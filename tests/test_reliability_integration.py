@@ -11,7 +11,7 @@ import pytest
 from rayapp.cluster import EmbeddedCluster
 from rayapp.tracking import EPOCH_METRICS, TAG_ATTEMPTS
 
-from conftest import JOBS, alive, cmdline, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
+from conftest import JOBS, alive, cmdline, connect, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 
@@ -67,10 +67,8 @@ def two_node_cluster():
     cluster = EmbeddedCluster(nodes=2, cpus_per_node=1)
     cluster.start()
     try:
-        cluster.prepare_client()
-        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False)
         try:
-            cluster.wait_for_nodes()
+            connect(cluster)  # only to see every node alive: the tests reach the cluster through the CLI
         finally:
             ray.shutdown()
         yield cluster
