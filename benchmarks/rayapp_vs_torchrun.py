@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -53,6 +53,7 @@ LOG_COST_EXPERIMENT = "bench-overhead-logcost"
 TARGET_RATIO = 1.05
 TARGET_LOG_SHARE = 0.01
 PROG = "rayapp_vs_torchrun"
+RAY_PROCESSES = "Ray daemons and actors"
 
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 130)
 
@@ -160,8 +161,10 @@ class Step:
 
     POLL_S = 1.0
 
-    def __init__(self, name: str, command: list[str], *, env: dict, log_path: Path, timeout_s: float) -> None:
+    def __init__(self, name: str, command: list[str], *, env: dict, log_path: Path, timeout_s: float,
+                 classify: Callable[[str], str]) -> None:
         self.name, self.command, self.env, self.log_path, self.timeout_s = name, command, env, log_path, timeout_s
+        self.classify = classify
         self.seen: dict[tuple[int, str], Proc] = {}
         self.commands: dict[tuple[int, str], str] = {}
         self.process: Optional[subprocess.Popen] = None
@@ -171,6 +174,8 @@ class Step:
         self._others: dict[tuple[int, str], list[float]] = {}
         self.others_timeline: list[tuple[float, float]] = []
         """(wall clock, CPU seconds other processes had used since the step started), one point per poll."""
+        self.own_timeline: list[tuple[float, dict[str, float]]] = []
+        """(wall clock, CPU seconds the step's own processes had used, by kind of process), one point per poll."""
         self._echo = True
 
     def _observe(self) -> dict[int, Proc]:
@@ -188,17 +193,27 @@ class Step:
                 earlier = self._before.get(pid)
                 baseline = earlier.cpu_s if earlier and earlier.start == proc.start else 0.0
                 self._others.setdefault((pid, proc.start), [baseline, 0.0])[1] = proc.cpu_s
-        self.others_timeline.append((time.time(), sum(latest - base for base, latest in self._others.values())))
+        now = time.time()
+        self.others_timeline.append((now, sum(latest - base for base, latest in self._others.values())))
+        by_kind: dict[str, float] = {}
+        for key, proc in self.seen.items():
+            kind = self.classify(self.commands.get(key, ""))
+            by_kind[kind] = by_kind.get(kind, 0.0) + proc.cpu_s
+        self.own_timeline.append((now, by_kind))
         return table
 
     def others_share(self, start: float, end: float) -> Optional[float]:
         """Cores' worth of CPU other processes used between two wall-clock times (poll resolution)."""
-        before = [cpu for t, cpu in self.others_timeline if t <= start]
-        after = [(t, cpu) for t, cpu in self.others_timeline if t >= end]
-        if not before or not after or end <= start:
-            return None
-        first = max((t, cpu) for t, cpu in self.others_timeline if t <= start)
-        return (after[0][1] - first[1]) / (after[0][0] - first[0])
+        span = _span(self.others_timeline, start, end)
+        return None if span is None else (span[1][1] - span[0][1]) / (span[1][0] - span[0][0])
+
+    def own_share(self, start: float, end: float) -> dict[str, float]:
+        """Cores' worth of CPU the step's own processes used between two wall-clock times, by kind."""
+        span = _span(self.own_timeline, start, end)
+        if span is None:
+            return {}
+        (t0, first), (t1, last) = span
+        return {kind: (cpu - first.get(kind, 0.0)) / (t1 - t0) for kind, cpu in last.items()}
 
     def run(self) -> str:
         self._before, started = processes(), time.monotonic()
@@ -229,11 +244,11 @@ class Step:
             raise StepFailed(f"{self.name} exited with code {self.process.returncode} (log: {self.log_path})")
         return "".join(self.output)
 
-    def cpu_by_kind(self, classify) -> dict[str, dict]:
-        """CPU seconds (as last seen) and niceness of the step's processes, grouped by classify(command)."""
+    def cpu_by_kind(self) -> dict[str, dict]:
+        """CPU seconds (as last seen) and niceness of the step's processes, grouped by kind of process."""
         groups: dict[str, dict] = {}
         for key, proc in self.seen.items():
-            group = groups.setdefault(classify(self.commands.get(key, "")), {"processes": 0, "cpu_s": 0.0, "nice": set()})
+            group = groups.setdefault(self.classify(self.commands.get(key, "")), {"processes": 0, "cpu_s": 0.0, "nice": set()})
             group["processes"] += 1
             group["cpu_s"] += proc.cpu_s
             group["nice"].add(proc.nice)
@@ -307,6 +322,16 @@ class Step:
                 pass
 
 
+def _span(timeline: list, start: float, end: float) -> Optional[tuple]:
+    """The last poll at or before start and the first at or after end: the smallest span of polls
+    that covers [start, end]; None when the polls do not cover it."""
+    before = [point for point in timeline if point[0] <= start]
+    after = [point for point in timeline if point[0] >= end]
+    if not before or not after or end <= start:
+        return None
+    return before[-1], after[0]
+
+
 def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dict:
     """One torchrun run and one rayapp run; odd pairs start with rayapp, so slow drift of the machine
     does not always favour the same side."""
@@ -339,10 +364,8 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
         "rayapp_epoch_s": rayapp_epoch,
         "ratio": rayapp_epoch / torchrun_epoch,
         "max_loss_diff": max(abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"])),
-        "cpu_during_torchrun": cpu_note(results["torchrun_step"], classify_torchrun,
-                                        (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1])),
-        "cpu_during_rayapp": cpu_note(results["rayapp_step"], classify_rayapp,
-                                      (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1])),
+        "cpu_during_torchrun": cpu_note(results["torchrun_step"], (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1])),
+        "cpu_during_rayapp": cpu_note(results["rayapp_step"], (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1])),
     }
 
 
@@ -412,10 +435,10 @@ def classify_torchrun(command: str) -> str:
 def classify_rayapp(command: str) -> str:
     if command.startswith("ray::RayTrainWorker"):
         return "training workers"
-    return "rayapp driver" if "rayapp submit" in command else "Ray daemons and actors"
+    return "rayapp driver" if "rayapp submit" in command else RAY_PROCESSES
 
 
-def cpu_note(step: Step, classify, window: tuple[float, float]) -> dict:
+def cpu_note(step: Step, window: tuple[float, float]) -> dict:
     """Where a step's CPU went, and how much other processes took meanwhile, over the whole step and
     over its steady-state epochs (window, wall clock): on a 2-core machine anything else running skews
     the figures."""
@@ -425,7 +448,8 @@ def cpu_note(step: Step, classify, window: tuple[float, float]) -> dict:
                       "steady-state epochs; its figures are skewed")
     return {
         "wall_s": step.wall_s,
-        "own_cpu_s": step.cpu_by_kind(classify),
+        "own_cpu_s": step.cpu_by_kind(),
+        "own_cores_in_steady_state": step.own_share(*window),
         "other_processes_cpu_s": step.foreign_cpu_s,
         "other_processes_cores_in_steady_state": share,
     }
@@ -446,7 +470,8 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
         # torchrun sets 1 only when it starts several processes; Ray sets the worker's CPUs: match Ray.
         env["OMP_NUM_THREADS"] = str(cpus_per_worker)
     commands.append(shown(command, env))
-    step = Step("torchrun", command, env=env, log_path=tmp / "torchrun.log", timeout_s=args.step_timeout)
+    step = Step("torchrun", command, env=env, log_path=tmp / "torchrun.log", timeout_s=args.step_timeout,
+                classify=classify_torchrun)
     try:
         step.run()
     except StepFailed:
@@ -475,7 +500,8 @@ def run_rayapp(args, tmp: Path, commands: list[str]) -> tuple[str, str, Step]:
         "--experiment", EXPERIMENT, "--tracking-uri", tracking_uri, "--storage-path", str(tmp / "results"),
     ]
     commands.append(shown(command, child_env()))
-    step = Step("rayapp", command, env=child_env(), log_path=tmp / "rayapp.log", timeout_s=args.step_timeout)
+    step = Step("rayapp", command, env=child_env(), log_path=tmp / "rayapp.log", timeout_s=args.step_timeout,
+                classify=classify_rayapp)
     output = step.run()
     match = re.search(r"MLflow run\s+([0-9a-f]{32})", output)
     if match:
@@ -605,12 +631,15 @@ def report(figures: dict, commands: list[str]) -> None:
     console.print(table)
     if pairs > 1:
         by_pair = Table(title="pairs (the first of each pair ran first; the order alternates)")
-        for column in ("pair", "first", "torchrun epoch s", "rayapp epoch s", "ratio", "other CPU (cores)"):
+        for column in ("pair", "first", "torchrun epoch s", "rayapp epoch s", "ratio", "Ray's own CPU (cores)",
+                       "other CPU (cores)"):
             by_pair.add_column(column, justify="left" if column == "first" else "right")
         for number, pair in enumerate(f["pairs"], start=1):
             others = [pair[f"cpu_during_{side}"]["other_processes_cores_in_steady_state"] for side in ("torchrun", "rayapp")]
+            ray_own = pair["cpu_during_rayapp"]["own_cores_in_steady_state"].get(RAY_PROCESSES)
             by_pair.add_row(str(number), pair["first"], f"{pair['torchrun_epoch_s']:.4f}", f"{pair['rayapp_epoch_s']:.4f}",
-                            f"{pair['ratio']:.3f}", " / ".join("-" if o is None else f"{o:.2f}" for o in others))
+                            f"{pair['ratio']:.3f}", "-" if ray_own is None else f"{ray_own:.2f}",
+                            " / ".join("-" if o is None else f"{o:.2f}" for o in others))
         console.print(by_pair)
         console.print("per-epoch, wall and CPU figures below are the last pair's")
 
@@ -642,6 +671,11 @@ def report(figures: dict, commands: list[str]) -> None:
         console.print(f"CPU-s  {name} run ({cpu['wall_s']:.0f}s): {kinds}; other processes on the machine "
                       f"{cpu['other_processes_cpu_s']:.1f}"
                       + (f" ({steady_share:.0%} of a core during the steady-state epochs)" if steady_share is not None else ""))
+    steady_cores = "; ".join(
+        f"{name}: " + ", ".join(f"{kind} {cores:.2f}" for kind, cores in
+                                sorted(f[f"cpu_during_{name}"]["own_cores_in_steady_state"].items(), key=lambda item: -item[1]))
+        for name in ("torchrun", "rayapp"))
+    console.print(f"cores  busy during the steady-state epochs, by kind of process: {steady_cores}")
     console.print(f"same workload: per-epoch loss differs by at most {f['max_loss_diff']:.2e} between the two")
     console.print("commands:")
     for command in commands:
