@@ -121,23 +121,30 @@ def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.P
 
 
 def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) -> list[str]:
-    """Read output until a line contains needle; fail with the output so far if it never comes."""
-    import select
-    import time
+    """Read output until a line contains needle; fail with the output so far if it never comes.
+
+    The lines are read by a helper thread with plain blocking readline(). select() on the pipe would
+    not do: readline() pulls every line that has arrived into the file object's buffer but returns
+    one, and select() then waits for new bytes while those lines sit unread, so the test falls
+    further behind with every burst of output and can see a line only after the run has ended."""
+    import threading
 
     seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 1.0)
-        if ready:
-            line = process.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if needle in line:
-                return seen
-        elif process.poll() is not None:
-            break
+    ended = threading.Event()
+
+    def read() -> None:
+        try:
+            for line in process.stdout:
+                seen.append(line)
+                if needle in line:
+                    return
+        finally:
+            ended.set()
+
+    threading.Thread(target=read, name="wait_for_line", daemon=True).start()
+    # on a timeout the reader is left blocked; the caller's cleanup kills the process, which ends it
+    if ended.wait(timeout) and seen and needle in seen[-1]:
+        return list(seen)
     raise AssertionError(f"never saw {needle!r}; output:\n{''.join(seen)[-3000:]}")
 
 
