@@ -116,8 +116,16 @@ def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.P
     full_env.update(env or {}, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [sys.executable, "-m", "rayapp", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=full_env,
+        text=True, env=full_env, preexec_fn=_sigint_as_in_a_terminal,
     )
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """A shell without job control starts background commands with SIGINT ignored, and Python keeps
+    an inherited SIG_IGN; reset it so a test's SIGINT is a terminal's Ctrl-C wherever the suite runs."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) -> list[str]:
