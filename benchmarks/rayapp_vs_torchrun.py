@@ -605,7 +605,7 @@ def fail(message: str) -> None:
 
 
 def verdict(ok: bool) -> str:
-    return "[green]PASS[/green]" if ok else "[red]MISS[/red]"
+    return coloured("PASS" if ok else "MISS")
 
 
 def coloured(verdict_text: str) -> str:
@@ -781,6 +781,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     baseline, rayapp = last["torchrun"], last["rayapp"]
     ratios = [pair["ratio"] for pair in pairs]
+    ratio = statistics.median(ratios)
     ratio_interval = median_interval(ratios, 0.95)
     torchrun_epoch = statistics.median(pair["torchrun_epoch_s"] for pair in pairs)
     rayapp_epoch = statistics.median(pair["rayapp_epoch_s"] for pair in pairs)
@@ -801,9 +802,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "pairs": [{k: v for k, v in pair.items() if k not in ("torchrun", "rayapp", "dir")} for pair in pairs],
         "torchrun_epoch_s": torchrun_epoch,
         "rayapp_epoch_s": rayapp_epoch,
-        "ratio": statistics.median(ratios),
+        "ratio": ratio,
         "ratio_interval": ratio_interval._asdict() if ratio_interval else None,
-        "ratio_verdict": verdict_at_most(ratio_interval, statistics.median(ratios), TARGET_RATIO),
+        "ratio_verdict": verdict_at_most(ratio_interval, ratio, TARGET_RATIO),
         "log_call_s": statistics.median(log_cost["call"]),
         "log_epoch_s": log_epoch_s,
         "log_share": log_epoch_s / rayapp_epoch,
