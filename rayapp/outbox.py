@@ -5,6 +5,14 @@ batches. While the tracking server is down or slow, records stay queued and are 
 with back-off; the person at the terminal is told once. If the server is still unreachable
 when training ends, the undelivered records are written to a fallback JSONL file (artifacts
 copied beside it) that `rayapp import-metrics FILE` delivers later. Nothing is dropped.
+
+Writes are paced. A write costs about the same whether it carries one epoch's metrics or ten
+(against SQLite: 7.7 ms of CPU for one epoch, 13.9 ms for ten, on a 2-core VM), and it runs in
+the training process. So after each write the sender waits until the write's time is at most
+WRITE_BUDGET of the time since it began, and the next write carries every epoch that arrived
+meanwhile. Against a fast store that is a second or two; metrics reach MLflow that much later.
+Epochs still queued when a worker dies are in its last checkpoint's history, from which a
+restarted worker logs them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ DEFAULT_GRACE_S = 30.0
 # A dead server should fail a request in seconds, not after MLflow's default minutes of retries:
 # the outbox does its own retrying, and the training loop never waits on it.
 CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+WRITE_BUDGET = 0.005
+"""Share of wall time the sender may spend writing (see the module docstring)."""
+MAX_WRITE_GAP_S = 10.0
+"""However slow the store, metrics are at most this much (plus one write) behind training."""
+MAX_METRICS_PER_WRITE = 1000  # MLflow's limit for one log_batch
 
 
 @dataclass
@@ -38,20 +51,53 @@ class Record:
     """metrics: {key: float}; tags: {key: str}; artifact: {path, artifact_path}; status: {status}."""
 
 
+@dataclass
+class WriteStats:
+    """What the sender's successful writes cost, as the training process felt it."""
+
+    writes: int = 0
+    records: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU time of the sending thread itself."""
+
+
+def leading_write(records: list[Record]) -> int:
+    """How many records from the head go in one write: consecutive metrics records of one run, up
+    to MLflow's batch limit, or else the first record alone. At least one."""
+    first = records[0]
+    if first.kind != "metrics":
+        return 1
+    count, metrics = 1, len(first.values)
+    for record in records[1:]:
+        if record.kind != "metrics" or record.run_id != first.run_id or metrics + len(record.values) > MAX_METRICS_PER_WRITE:
+            break
+        count, metrics = count + 1, metrics + len(record.values)
+    return count
+
+
 def deliver(client, records: list[Record]) -> None:
-    """Send records in order, batching metrics and tags of one run; raises on the first failure."""
+    """Send records in order, consecutive metrics records of one run in one batch; raises on the first failure."""
+    while records:
+        count = leading_write(records)
+        _write(client, records[:count])
+        records = records[count:]
+
+
+def _write(client, records: list[Record]) -> None:
+    """One MLflow call: several metrics records of one run, or one record of any kind."""
     from mlflow.entities import Metric, RunTag
 
-    for record in records:
-        if record.kind == "metrics":
-            metrics = [Metric(k, float(v), record.timestamp_ms, record.step) for k, v in record.values.items()]
-            client.log_batch(record.run_id, metrics=metrics, synchronous=True)
-        elif record.kind == "tags":
-            client.log_batch(record.run_id, tags=[RunTag(k, str(v)) for k, v in record.values.items()])
-        elif record.kind == "artifact":
-            client.log_artifact(record.run_id, record.values["path"], record.values.get("artifact_path"))
-        elif record.kind == "status":
-            client.set_terminated(record.run_id, status=record.values["status"])
+    record = records[0]
+    if record.kind == "metrics":
+        metrics = [Metric(k, float(v), each.timestamp_ms, each.step) for each in records for k, v in each.values.items()]
+        client.log_batch(record.run_id, metrics=metrics, synchronous=True)
+    elif record.kind == "tags":
+        client.log_batch(record.run_id, tags=[RunTag(k, str(v)) for k, v in record.values.items()])
+    elif record.kind == "artifact":
+        client.log_artifact(record.run_id, record.values["path"], record.values.get("artifact_path"))
+    elif record.kind == "status":
+        client.set_terminated(record.run_id, status=record.values["status"])
 
 
 class Outbox:
@@ -62,6 +108,7 @@ class Outbox:
         *,
         notify: Callable[[str], None] = lambda message: None,
         retry_s: tuple[float, float] = (1.0, 10.0),
+        write_budget: float = WRITE_BUDGET,
     ) -> None:
         from mlflow.tracking import MlflowClient
 
@@ -75,6 +122,9 @@ class Outbox:
         self._condition = threading.Condition()
         self._closing = False
         self._down_since: Optional[float] = None
+        self._write_budget = write_budget
+        self._next_write_at = 0.0
+        self.stats = WriteStats()
         self._thread = threading.Thread(target=self._send_forever, name="rayapp-mlflow-outbox", daemon=True)
         self._thread.start()
 
@@ -90,8 +140,11 @@ class Outbox:
             self._pending.append(record)
             self._condition.notify()
 
-    def close(self, timeout_s: float = 120.0) -> Optional[Path]:
-        """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered."""
+    def close(self, timeout_s: float = 120.0, last: Optional[Callable[[WriteStats], Record]] = None) -> Optional[Path]:
+        """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered.
+
+        `last` makes one more record from the finished stats (all writes but its own) and sends it
+        after everything else."""
         started = time.monotonic()
         with self._condition:
             self._closing = True
@@ -102,6 +155,15 @@ class Outbox:
             self._pending.clear()
             self._condition.notify()
         self._thread.join(timeout=5)
+        if last is not None:
+            record = last(self.stats)
+            if not left:
+                try:
+                    deliver(self._client, [record])
+                except Exception:  # the server went away just now: the record joins the fallback file
+                    left = [record]
+            else:
+                left.append(record)
         if not left:
             shutil.rmtree(self._kept_dir(), ignore_errors=True)
             return None
@@ -116,18 +178,22 @@ class Outbox:
         return min(timeout_s, grace) if self._down_since is not None else timeout_s
 
     def _send_forever(self) -> None:
-        """Deliver the oldest record, drop it from the queue only once delivered; back off while down."""
+        """Deliver the oldest records, drop them from the queue only once delivered; back off while down."""
         delay = self._retry_s[0]
         while True:
             with self._condition:
                 while not self._pending and not self._closing:
                     self._condition.wait()
+                # Pacing: wait out the last write's share of the budget, unless closing.
+                while not self._closing and (left_s := self._next_write_at - time.monotonic()) > 0:
+                    self._condition.wait(timeout=left_s)
                 if not self._pending:
                     return
-                record = self._pending[0]
+                batch = self._pending[:leading_write(self._pending)]
+            started, started_cpu = time.monotonic(), time.thread_time()
             try:
-                deliver(self._client, [record])
-            except Exception as exc:  # server down, slow, or refusing: keep the record, retry
+                deliver(self._client, batch)
+            except Exception as exc:  # server down, slow, or refusing: keep the records, retry
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     self._notify(
@@ -138,14 +204,24 @@ class Outbox:
                     self._condition.wait(timeout=delay)
                 delay = min(delay * 2, self._retry_s[1])
                 continue
+            took_s = time.monotonic() - started
+            self._record_write(len(batch), took_s, time.thread_time() - started_cpu)
+            if self.stats.writes > 1:  # the first write also opens the client's store: not a write's cost
+                self._next_write_at = started + min(took_s / self._write_budget, MAX_WRITE_GAP_S + took_s)
             with self._condition:
-                if self._pending and self._pending[0] is record:
-                    self._pending.pop(0)
+                # close() may have given up on the queue meanwhile and emptied it
+                if len(self._pending) >= len(batch) and all(a is b for a, b in zip(self._pending, batch)):
+                    del self._pending[:len(batch)]
                 self._condition.notify_all()
             if self._down_since is not None:
                 self._notify(f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; buffered metrics delivered")
                 self._down_since = None
             delay = self._retry_s[0]
+
+    def _record_write(self, records: int, wall_s: float, cpu_s: float) -> None:
+        stats = self.stats
+        stats.writes, stats.records = stats.writes + 1, stats.records + records
+        stats.wall_s, stats.cpu_s = stats.wall_s + wall_s, stats.cpu_s + cpu_s
 
     def _kept_dir(self) -> Path:
         return self.fallback_path.with_suffix("").with_suffix(".artifacts")

@@ -17,6 +17,9 @@ from rayapp.spec import JobSpec
 
 EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s", "peak_mem_mb")
 FINAL_METRICS = ("total_time_s", "time_to_first_step_s", "param_bytes_per_rank")
+WRITE_COST_METRICS = ("mlflow_write_s", "mlflow_write_cpu_s", "mlflow_writes")
+"""Rank 0's MLflow writes in one attempt, all but the one carrying these: wall time, the sending
+thread's CPU time, and the number of writes."""
 TAG_NODE_IDS = "rayapp.node_ids"
 TAG_NODE_IPS = "rayapp.node_ips"
 TAG_CLUSTER = "rayapp.cluster"
@@ -140,7 +143,7 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
 class NullLogger:
     """What every rank but 0 gets: logging calls that do nothing."""
 
-    def close(self, timeout_s: float = 60.0) -> Optional[Path]:
+    def close(self, timeout_s: float = 60.0, *, write_cost_step: Optional[int] = None) -> Optional[Path]:
         return None
 
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
@@ -190,9 +193,17 @@ class RunLogger(NullLogger):
 
         self._outbox.put(Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path}))
 
-    def close(self, timeout_s: float = 120.0) -> Optional[Path]:
-        """Flush; returns the fallback file when the server could not take everything."""
-        return self._outbox.close(timeout_s)
+    def close(self, timeout_s: float = 120.0, *, write_cost_step: Optional[int] = None) -> Optional[Path]:
+        """Flush; returns the fallback file when the server could not take everything.
+
+        With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at that step."""
+        from rayapp.outbox import Record
+
+        def write_cost(stats) -> Record:
+            return Record("metrics", self.run_id, step=write_cost_step,
+                          values=dict(zip(WRITE_COST_METRICS, (stats.wall_s, stats.cpu_s, float(stats.writes)))))
+
+        return self._outbox.close(timeout_s, last=write_cost if write_cost_step is not None else None)
 
     def previous_attempts(self) -> int:
         """How many times training already started in this run (restarts after worker failures)."""

@@ -28,6 +28,7 @@ from rayapp.timing import DdpCommClock, Stopwatch, synchronize
 from rayapp.tracking import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
 
 CHECKPOINT_FILE = "state.pt"
+FLUSH_ON_ERROR_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class WorkerConfig:
 
 def train_loop_per_worker(config: dict) -> None:
     worker_config: WorkerConfig = config["worker_config"]
-    spec = worker_config.spec
     loop_started = time.perf_counter()
 
     import ray.train
@@ -68,6 +68,19 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0
         else NullLogger()
     )
+    try:
+        _train(worker_config, logger, rank=rank, world_size=world_size, device=device, loop_started=loop_started)
+    except Exception:
+        # Epochs still queued for MLflow go out before the error ends this worker. A worker killed
+        # outright cannot do this; a restarted one logs those epochs from its checkpoint's history.
+        logger.close(timeout_s=FLUSH_ON_ERROR_S)
+        raise
+
+
+def _train(worker_config: WorkerConfig, logger, *, rank: int, world_size: int, device, loop_started: float) -> None:
+    import ray.train
+
+    spec = worker_config.spec
 
     # -- set-up: data, model, strategy, optimizer
     datasets = build_datasets(spec)
@@ -190,7 +203,7 @@ def train_loop_per_worker(config: dict) -> None:
             with open(spec_path, "w") as handle:
                 json.dump(dataclasses.asdict(spec), handle, indent=2)
             logger.log_artifact(spec_path)
-    undelivered = logger.close()
+    undelivered = logger.close(write_cost_step=spec.train.epochs - 1)
     if undelivered is not None:
         import ray
 

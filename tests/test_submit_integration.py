@@ -45,8 +45,8 @@ def test_seed_linear_on_two_nodes(workdir):
     assert "rayapp.torch_version" in tags and "rayapp.ray_version" in tags
 
     assert_one_value_per_epoch(client, run.info.run_id, 2)
-    for key in ("total_time_s", "time_to_first_step_s"):
-        assert run.data.metrics[key] > 0
+    for key in ("total_time_s", "time_to_first_step_s", "mlflow_write_s", "mlflow_write_cpu_s", "mlflow_writes"):
+        assert run.data.metrics[key] > 0, key
     comm = [m.value for m in client.get_metric_history(run.info.run_id, "comm_time_s")]
     epoch = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
     assert all(0 < c < e for c, e in zip(comm, epoch)), (comm, epoch)
