@@ -351,7 +351,9 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
             results["torchrun"], results["torchrun_step"] = run_torchrun(
                 args, pair_dir, commands if index == 0 else [], spec.cluster.cpus_per_worker)
         else:
-            console.print(f"[bold]{label}{position}/2 rayapp submit[/bold] (embedded {args.workers}-node Ray cluster)")
+            layout = (f"one embedded Ray node, {args.workers} workers" if args.one_node
+                      else f"embedded {args.workers}-node Ray cluster")
+            console.print(f"[bold]{label}{position}/2 rayapp submit[/bold] ({layout})")
             tracking_uri, run_id, results["rayapp_step"] = run_rayapp(args, pair_dir, commands if index == 0 else [])
             results["tracking_uri"] = tracking_uri
             results["rayapp"] = read_rayapp_run(tracking_uri, run_id, args.epochs)
@@ -516,10 +518,18 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
     return result, step
 
 
+def rayapp_layout(args) -> list[str]:
+    """W nodes of one worker each (as W machines would run it), or with --one-node all W workers
+    on one node, as torchrun's single launch runs them."""
+    if args.one_node:
+        return ["--nodes", "1", "--workers-per-node", str(args.workers)]
+    return ["--nodes", str(args.workers), "--workers-per-node", "1"]
+
+
 def run_rayapp(args, tmp: Path, commands: list[str]) -> tuple[str, str, Step]:
     tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
     command = [
-        sys.executable, "-m", "rayapp", "submit", "--nodes", str(args.workers), "--workers-per-node", "1",
+        sys.executable, "-m", "rayapp", "submit", *rayapp_layout(args),
         "--backend", "gloo", "--epochs", str(args.epochs), args.job,
         "--experiment", EXPERIMENT, "--tracking-uri", tracking_uri, "--storage-path", str(tmp / "results"),
     ]
@@ -634,7 +644,8 @@ def coloured(verdict_text: str) -> str:
 
 def report(figures: dict, commands: list[str]) -> None:
     f = figures
-    table = Table(title=f"rayapp vs torchrun: {f['job']}, {f['world_size']} workers (gloo, CPU), "
+    nodes = f"{f['rayapp_nodes']} Ray node" + ("s" if f["rayapp_nodes"] > 1 else "")
+    table = Table(title=f"rayapp vs torchrun: {f['job']}, {f['world_size']} workers on {nodes} (gloo, CPU), "
                         f"{f['epochs']} epochs x {f['steps_per_epoch']} steps, steady state = median of epochs 2..{f['epochs']}")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -725,6 +736,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=6, help="epochs for both runs; the first is warm-up (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="world size, one worker per Ray node (default: %(default)s)")
+    parser.add_argument("--one-node", action="store_true",
+                        help="run rayapp's workers on one embedded Ray node instead of one node each: one raylet "
+                             "and its daemons, as on a real machine that gives all its cores to training")
     parser.add_argument("--baseline-comm-clock", choices=("none", "rayapp"), default="none",
                         help="give the torchrun baseline rayapp's per-step comm clock, to separate what rayapp's "
                              "comm timing costs from the rest (default: %(default)s)")
@@ -758,7 +772,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     args.job = str(Path(args.job).resolve())
     try:
-        spec = load_spec(args.job, {"cluster.nodes": args.workers, "cluster.workers_per_node": 1, "train.epochs": args.epochs})
+        nodes = 1 if args.one_node else args.workers
+        spec = load_spec(args.job, {"cluster.nodes": nodes, "cluster.workers_per_node": args.workers // nodes,
+                                    "train.epochs": args.epochs})
     except SpecError as exc:
         fail(str(exc))
         return 2
@@ -814,6 +830,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU used",
         "job": spec.name,
         "world_size": args.workers,
+        "rayapp_nodes": 1 if args.one_node else args.workers,
         "epochs": args.epochs,
         "steps_per_epoch": spec.steps_per_epoch,
         "batch_size_per_worker": spec.batch_size_per_worker,

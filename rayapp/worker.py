@@ -14,6 +14,7 @@ import resource
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -73,7 +74,7 @@ def train_loop_per_worker(config: dict) -> None:
     except Exception:
         # Epochs still queued for MLflow go out before the error ends this worker. A worker killed
         # outright cannot do this; a restarted one logs those epochs from its checkpoint's history.
-        logger.close(timeout_s=FLUSH_ON_ERROR_S)
+        _tell_if_undelivered(worker_config, logger.close(timeout_s=FLUSH_ON_ERROR_S))
         raise
 
 
@@ -203,18 +204,22 @@ def _train(worker_config: WorkerConfig, logger, *, rank: int, world_size: int, d
             with open(spec_path, "w") as handle:
                 json.dump(dataclasses.asdict(spec), handle, indent=2)
             logger.log_artifact(spec_path)
-    undelivered = logger.close(write_cost_step=spec.train.epochs - 1)
-    if undelivered is not None:
-        import ray
-
-        worker_config.tell(
-            f"MLflow stayed unreachable; undelivered metrics and artifacts are saved in {undelivered} "
-            f"(node {ray.util.get_node_ip_address()}). Deliver them later with: "
-            f"rayapp import-metrics {undelivered} --tracking-uri {worker_config.tracking_uri}"
-        )
+    _tell_if_undelivered(worker_config, logger.close(write_cost_step=spec.train.epochs - 1))
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+
+def _tell_if_undelivered(worker_config: WorkerConfig, undelivered: Optional[Path]) -> None:
+    if undelivered is None:
+        return
+    import ray
+
+    worker_config.tell(
+        f"MLflow stayed unreachable; undelivered metrics and artifacts are saved in {undelivered} "
+        f"(node {ray.util.get_node_ip_address()}). Deliver them later with: "
+        f"rayapp import-metrics {undelivered} --tracking-uri {worker_config.tracking_uri}"
+    )
 
 
 def _record_placement(logger, world_size: int, *, attempt: int) -> int:
