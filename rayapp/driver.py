@@ -72,42 +72,48 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     # on to the controller; a value the user set wins.
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
-    with _ray_cluster(spec, verbose=options.verbose, status=status) as cluster_label:
-        check_capacity(spec, wait_s=options.schedule_timeout_s)
-        backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
-        run_id = open_run(
-            tracking_uri=tracking_uri,
-            experiment=spec.tracking.experiment,
-            run_name=f"{spec.name}-n{spec.cluster.nodes}",
-            params=job_params(spec, backend),
-            tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
-            parent_run_id=options.parent_run_id,
-        )
-        fallback = fallback_path(_storage_path(spec.cluster.storage_path), _trial_name(spec, run_id), run_id)
-        outcome = "FAILED"
-        try:
-            with _progress_pump(options.on_progress) as progress_queue:
-                status(f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}")
-                trainer = _build_trainer(
-                    spec,
-                    backend,
-                    WorkerConfig(
-                        spec=spec,
-                        run_id=run_id,
-                        tracking_uri=tracking_uri,
-                        submitted_at=submitted_at,
-                        fallback_path=fallback,
-                        progress=progress_queue,
-                    ),
-                )
-                result = _fit_interruptibly(trainer)
-            outcome = "FINISHED"
-        except KeyboardInterrupt:
-            outcome = "KILLED"
-            raise
-        except Exception as exc:
-            raise RayappError(f"training failed: {_first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
-        finally:
+    run_id: Optional[str] = None
+    outcome = "FAILED"
+    try:
+        with _ray_cluster(spec, verbose=options.verbose, status=status) as cluster_label:
+            check_capacity(spec, wait_s=options.schedule_timeout_s)
+            backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+            run_id = open_run(
+                tracking_uri=tracking_uri,
+                experiment=spec.tracking.experiment,
+                run_name=f"{spec.name}-n{spec.cluster.nodes}",
+                params=job_params(spec, backend),
+                tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
+                parent_run_id=options.parent_run_id,
+            )
+            fallback = fallback_path(_storage_path(spec.cluster.storage_path), _trial_name(spec, run_id), run_id)
+            try:
+                with _progress_pump(options.on_progress) as progress_queue:
+                    status(f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}")
+                    trainer = _build_trainer(
+                        spec,
+                        backend,
+                        WorkerConfig(
+                            spec=spec,
+                            run_id=run_id,
+                            tracking_uri=tracking_uri,
+                            submitted_at=submitted_at,
+                            fallback_path=fallback,
+                            progress=progress_queue,
+                        ),
+                    )
+                    result = _fit_interruptibly(trainer)
+                outcome = "FINISHED"
+            except KeyboardInterrupt:
+                outcome = "KILLED"
+                raise
+            except Exception as exc:
+                raise RayappError(f"training failed: {_first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
+    finally:
+        # Only now, with the workers gone: none of them can still be writing the epochs filled in here.
+        if run_id is not None:
+            if outcome != "FINISHED":
+                _backfill_from_checkpoint(spec, tracking_uri, run_id, status)
             _close_run_or_save(tracking_uri, run_id, outcome, fallback, status)
     return SubmitResult(
         run_id=run_id,
@@ -147,6 +153,32 @@ def _fit_interruptibly(trainer):
 def _trial_name(spec: JobSpec, run_id: str) -> str:
     """Ray Train's run directory under storage_path: the job and the MLflow run it belongs to."""
     return f"{spec.name}-{run_id[:8]}"
+
+
+def _backfill_from_checkpoint(spec: JobSpec, tracking_uri: str, run_id: str, status: Callable[[str], None]) -> None:
+    """Log the epochs rank 0 checkpointed but did not get to send before the job ended."""
+    from rayapp.backfill import backfill_epochs
+
+    trial_dir = f"{_storage_path(spec.cluster.storage_path).rstrip('/')}/{_trial_name(spec, run_id)}"
+    try:
+        epochs = backfill_epochs(tracking_uri, run_id, trial_dir)
+    except Exception as exc:  # MLflow unreachable: the checkpoints still hold the figures
+        status(f"could not log the last checkpoint's epochs to MLflow ({type(exc).__name__}); they stay in {trial_dir}")
+        return
+    if epochs:
+        status(f"logged epoch(s) {_spans(epochs)} to MLflow from the last checkpoint: "
+               "they had not been sent when the job stopped")
+
+
+def _spans(numbers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'"""
+    spans: list[list[int]] = []
+    for number in sorted(numbers):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _close_run_or_save(tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]) -> None:

@@ -12,7 +12,7 @@ the training process. So after each write the sender waits until the write's tim
 WRITE_BUDGET of the time since it began, and the next write carries every epoch that arrived
 meanwhile. Against a fast store that is a second or two; metrics reach MLflow that much later.
 Epochs still queued when a worker dies are in its last checkpoint's history, from which a
-restarted worker logs them.
+restarted worker logs them, or the driver once a job has ended early (rayapp.backfill).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from rayapp.backfill import write_history
 from rayapp.data import build_datasets
 from rayapp.models import build_loss, build_model, build_optimizer
 from rayapp.spec import JobSpec
@@ -307,6 +308,7 @@ def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_
         return state
     with tempfile.TemporaryDirectory() as directory:
         torch.save({**state, "epoch": epoch, "history": history, "run_id": run_id}, os.path.join(directory, CHECKPOINT_FILE))
+        write_history(directory, run_id=run_id, epoch=epoch, history=history)  # read without torch by the driver
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
     return state
 

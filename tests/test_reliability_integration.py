@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rayapp.backfill import newest_history
 from rayapp.cluster import EmbeddedCluster
 from rayapp.tracking import EPOCH_METRICS, TAG_ATTEMPTS
 
@@ -55,8 +56,16 @@ def test_ctrl_c_stops_cluster_and_marks_run_killed(workdir):
     assert "interrupted" in output and "Traceback" not in output
     time.sleep(1)
     assert not [pid for pid in started if alive(pid)], "processes of the embedded cluster outlived rayapp"
-    run = only_run(mlflow_client(workdir))
+    client = mlflow_client(workdir)
+    run = only_run(client)
     assert run.info.status == "KILLED"
+    # Every epoch the job checkpointed is in the run, sent by rank 0 or filled in by the driver
+    # from the newest checkpoint after the cluster stopped.
+    (trial_dir,) = (workdir / "rayapp_results").iterdir()
+    saved = newest_history(str(trial_dir))
+    assert saved is not None and saved["run_id"] == run.info.run_id
+    logged = {m.step for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert set(range(saved["epoch"] + 1)) <= logged, (saved["epoch"], sorted(logged))
 
 
 @pytest.fixture(scope="module")
