@@ -73,6 +73,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
     run_id: Optional[str] = None
+    fallback: Optional[str] = None
     outcome = "FAILED"
     try:
         with _ray_cluster(spec, verbose=options.verbose, status=status) as cluster_label:
@@ -111,7 +112,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 raise RayappError(f"training failed: {_first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
     finally:
         # Only now, with the workers gone: none of them can still be writing the epochs filled in here.
-        if run_id is not None:
+        if run_id is not None and fallback is not None:
             if outcome != "FINISHED":
                 _backfill_from_checkpoint(spec, tracking_uri, run_id, status)
             _close_run_or_save(tracking_uri, run_id, outcome, fallback, status)
