@@ -22,6 +22,12 @@ def write_history(directory: str, *, run_id: str, epoch: int, history: list[dict
         json.dump({"run_id": run_id, "epoch": epoch, "history": history}, handle)
 
 
+def read_history(directory: str) -> dict:
+    """What write_history put into a checkpoint directory: run_id, epoch and history."""
+    with open(os.path.join(directory, HISTORY_FILE), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def newest_history(trial_dir: str) -> Optional[dict]:
     """The history of the newest checkpoint under trial_dir (a local path or a URI Ray Train can
     store to: s3://, gs://), or None when there is none."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rayapp.backfill import write_history
+from rayapp.backfill import read_history, write_history
 from rayapp.data import build_datasets
 from rayapp.models import build_loss, build_model, build_optimizer
 from rayapp.spec import JobSpec
@@ -112,8 +112,9 @@ def _train(worker_config: WorkerConfig, logger, *, rank: int, world_size: int, d
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+            saved = read_history(directory)
         _load_state(model, optimizer, state)
-        start_epoch, history = state["epoch"] + 1, state["history"]
+        start_epoch, history = saved["epoch"] + 1, saved["history"]
     # Counted in the run itself, so a restart before the first checkpoint counts too.
     attempt = logger.previous_attempts() + 1
     nodes_used = _record_placement(logger, world_size, attempt=attempt)
@@ -307,8 +308,9 @@ def _report_with_checkpoint(model, optimizer, *, epoch: int, history: list, run_
         ray.train.report(metrics)
         return state
     with tempfile.TemporaryDirectory() as directory:
-        torch.save({**state, "epoch": epoch, "history": history, "run_id": run_id}, os.path.join(directory, CHECKPOINT_FILE))
-        write_history(directory, run_id=run_id, epoch=epoch, history=history)  # read without torch by the driver
+        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+        # Beside the weights, not in them: the driver reads it without torch or the state dict's size.
+        write_history(directory, run_id=run_id, epoch=epoch, history=history)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
     return state
 
