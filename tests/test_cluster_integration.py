@@ -41,8 +41,12 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
         pids = ray.get([actor.start_child.remote() for actor in actors])
         cluster_pids = set(descendants(os.getpid()))
         assert {pid for pair in pids for pid in pair} <= cluster_pids
+        leaders = list(cluster._processes)
     finally:
         ray.shutdown()
         cluster.stop()
     # No grace period: stop() itself waits for the stragglers.
     assert not [pid for pid in cluster_pids if alive(pid)], "processes of the cluster outlived stop()"
+    # Each `ray start --block` leader stopped its own daemons on SIGTERM (it exits 1), rather than
+    # sitting out Ray's 30 s node drain, which detached actors keep from ending, until stop() SIGKILLs it.
+    assert [leader.returncode for leader in leaders] == [1, 1], "a node was SIGKILLed, not stopped"
