@@ -503,7 +503,8 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
     except StepFailed:
         # The results file is written whole (rename) after the last epoch, so its presence means every
         # epoch ran. A non-zero exit after it is the process's teardown: with torch 2.13, Gloo can abort
-        # at interpreter exit ("terminate called without an active exception").
+        # at interpreter exit ("terminate called without an active exception"); the baseline's barrier
+        # before destroy_process_group keeps that from happening, this keeps a stray one from costing a run.
         if not out.exists() or step.process is None or step.process.returncode in (None, 0):
             raise
         console.print(f"[yellow]warning:[/yellow] torchrun exited with code {step.process.returncode} after "

@@ -105,6 +105,9 @@ def main() -> None:
         partial = out.with_suffix(out.suffix + ".partial")
         partial.write_text(json.dumps(result, indent=2))
         partial.replace(out)
+    # Rank 1 otherwise reaches teardown while rank 0 still writes, and Gloo can abort at exit
+    # ("terminate called without an active exception") on a pair rank 0 has not closed yet.
+    dist.barrier()
     dist.destroy_process_group()
 
 
