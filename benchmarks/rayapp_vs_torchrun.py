@@ -5,8 +5,9 @@ One run trains the job twice at the same world size (default 2 workers, Gloo on 
 1. torchrun: `torchrun --nproc-per-node W --master-addr 127.0.0.1 ... benchmarks/torchrun_ddp.py`, a plain
    DDP loop on exactly the same spec, data, model, optimizer, sampler and batches; no Ray, MLflow or
    checkpoints.
-2. rayapp: `python -m rayapp submit --nodes W ...` on its embedded W-node Ray cluster, with MLflow in a
-   SQLite store in a temporary directory; `epoch_time_s` is read back from MLflow.
+2. rayapp: `python -m rayapp submit --nodes 1 --workers-per-node W ...` on one embedded Ray node, as
+   torchrun's single launch runs on one machine (`--layout node-per-worker`: W nodes of one worker each),
+   with MLflow in a SQLite store in a temporary directory; `epoch_time_s` is read back from MLflow.
 
 MLflow's cost is read from each rayapp run itself: rank 0 logs what its paced background writes took
 (`mlflow_write_s`), which the script sets against the training loop's time (`total_time_s`). Apart from
@@ -351,7 +352,7 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
             results["torchrun"], results["torchrun_step"] = run_torchrun(
                 args, pair_dir, commands if index == 0 else [], spec.cluster.cpus_per_worker)
         else:
-            layout = (f"one embedded Ray node, {args.workers} workers" if args.one_node
+            layout = (f"one embedded Ray node, {args.workers} workers" if args.layout == "one-node"
                       else f"embedded {args.workers}-node Ray cluster")
             console.print(f"[bold]{label}{position}/2 rayapp submit[/bold] ({layout})")
             tracking_uri, run_id, results["rayapp_step"] = run_rayapp(args, pair_dir, commands if index == 0 else [])
@@ -520,9 +521,9 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
 
 
 def rayapp_layout(args) -> list[str]:
-    """W nodes of one worker each (as W machines would run it), or with --one-node all W workers
-    on one node, as torchrun's single launch runs them."""
-    if args.one_node:
+    """All W workers on one node, as torchrun's single launch runs them, or with --layout
+    node-per-worker W nodes of one worker each, as W machines would run it."""
+    if args.layout == "one-node":
         return ["--nodes", "1", "--workers-per-node", str(args.workers)]
     return ["--nodes", str(args.workers), "--workers-per-node", "1"]
 
@@ -736,10 +737,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=6, help="epochs for both runs; the first is warm-up (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=2, help="world size, one worker per Ray node (default: %(default)s)")
-    parser.add_argument("--one-node", action="store_true",
-                        help="run rayapp's workers on one embedded Ray node instead of one node each: one raylet "
-                             "and its daemons, as on a real machine that gives all its cores to training")
+    parser.add_argument("--workers", type=int, default=2, help="world size (default: %(default)s)")
+    parser.add_argument("--layout", choices=("one-node", "node-per-worker"), default="one-node",
+                        help="rayapp's workers on one embedded Ray node, one raylet and its daemons as on the one "
+                             "machine torchrun runs on; or one node each, Ray's per-node daemons once per worker, "
+                             "as W machines would run it (default: %(default)s)")
+    parser.add_argument("--one-node", dest="layout", action="store_const", const="one-node",
+                        help="the same as --layout one-node")
     parser.add_argument("--baseline-comm-clock", choices=("none", "rayapp"), default="none",
                         help="give the torchrun baseline rayapp's per-step comm clock, to separate what rayapp's "
                              "comm timing costs from the rest (default: %(default)s)")
@@ -773,7 +777,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     args.job = str(Path(args.job).resolve())
     try:
-        nodes = 1 if args.one_node else args.workers
+        nodes = 1 if args.layout == "one-node" else args.workers
         spec = load_spec(args.job, {"cluster.nodes": nodes, "cluster.workers_per_node": args.workers // nodes,
                                     "train.epochs": args.epochs})
     except SpecError as exc:
@@ -831,7 +835,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU used",
         "job": spec.name,
         "world_size": args.workers,
-        "rayapp_nodes": 1 if args.one_node else args.workers,
+        "rayapp_nodes": 1 if args.layout == "one-node" else args.workers,
+        "rayapp_layout": args.layout,
         "epochs": args.epochs,
         "steps_per_epoch": spec.steps_per_epoch,
         "batch_size_per_worker": spec.batch_size_per_worker,
