@@ -587,7 +587,7 @@ def time_log_epoch(tracking_uri: str, calls: int, sample: dict, tmp: Path) -> di
     """
     import inspect
 
-    from rayapp.tracking import EPOCH_METRICS, RunLogger, close_run, open_run
+    from rayapp.tracking.run import EPOCH_METRICS, RunLogger, close_run, open_run
 
     def new_run(name: str) -> str:
         return open_run(tracking_uri=tracking_uri, experiment=LOG_COST_EXPERIMENT, run_name=name,
@@ -610,7 +610,7 @@ def time_log_epoch(tracking_uri: str, calls: int, sample: dict, tmp: Path) -> di
         logger.close()
     close_run(tracking_uri, run_id, "FINISHED")
     try:
-        from rayapp.outbox import Record, deliver
+        from rayapp.tracking.outbox import Record, deliver
     except ImportError:  # RunLogger writes synchronously: the call is the write, all of it in the loop
         return {"call": call, "write": call, "write_cpu": call}
 
@@ -760,7 +760,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory (logs, MLflow store)")
     args = parser.parse_args(argv)
 
-    from rayapp.loader import load_spec
+    from rayapp.spec.loader import load_spec
     from rayapp.spec import SpecError
 
     script_started = time.monotonic()

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rayapp.data import build_datasets
-from rayapp.loader import load_spec
-from rayapp.models import build_loss, build_model, build_optimizer
+from rayapp.train.data import build_datasets
+from rayapp.spec.loader import load_spec
+from rayapp.train.models import build_loss, build_model, build_optimizer
 
 
 def main() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
     model = DistributedDataParallel(build_model(spec))
     comm_clock = None
     if args.comm_clock == "rayapp":
-        from rayapp.timing import DdpCommClock
+        from rayapp.train.timing import DdpCommClock
 
         comm_clock = DdpCommClock(model)
     optimizer = build_optimizer(spec, model)

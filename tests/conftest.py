@@ -160,7 +160,7 @@ class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 with a SQLite store, that a test can stop and restart."""
 
     def __init__(self, directory: Path, port: int | None = None) -> None:
-        from rayapp.cluster import free_port
+        from rayapp.launch.cluster import free_port
 
         self.directory = directory
         self.port = port or free_port()

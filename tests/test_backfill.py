@@ -8,8 +8,8 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from rayapp.backfill import HISTORY_FILE, backfill_epochs, newest_history, write_history
-from rayapp.tracking import open_run
+from rayapp.tracking.backfill import HISTORY_FILE, backfill_epochs, newest_history, write_history
+from rayapp.tracking.run import open_run
 
 
 def epoch_metrics(epoch: int) -> dict[str, float]:
@@ -60,7 +60,7 @@ def test_nothing_is_logged_from_another_runs_checkpoint_or_from_no_checkpoint(ru
 
 
 def test_the_driver_names_the_filled_in_epochs_as_spans():
-    from rayapp.driver import _spans
+    from rayapp.driver.submit import _spans
 
     assert _spans([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
     assert _spans([3]) == "3"

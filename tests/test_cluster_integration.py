@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rayapp.cluster import EmbeddedCluster
+from rayapp.launch.cluster import EmbeddedCluster
 
 from conftest import alive, connect, descendants
 

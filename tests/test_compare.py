@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from rayapp.cli import main
-from rayapp.compare import load_summaries, render
-from rayapp.plot import scaling_plot
-from rayapp.tracking import RunLogger, close_run, open_run
+from rayapp.reports.compare import load_summaries, render
+from rayapp.reports.plot import scaling_plot
+from rayapp.tracking.run import RunLogger, close_run, open_run
 
 
 def log_run(uri: str, *, job: str, world: int, scaling: str, epochs: list[dict], experiment: str = "cmp") -> str:

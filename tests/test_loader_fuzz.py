@@ -6,7 +6,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayapp.loader import build_spec, parse_job_yaml
+from rayapp.spec.loader import build_spec, parse_job_yaml
 from rayapp.spec import JobSpec, SpecError
 
 SECTION_KEYS = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rayapp.outbox import GRACE_ENV
-from rayapp.tracking import EPOCH_METRICS
+from rayapp.tracking.outbox import GRACE_ENV
+from rayapp.tracking.run import EPOCH_METRICS
 
 from conftest import JOBS, MlflowServer, run_rayapp, start_rayapp, wait_for_line
 

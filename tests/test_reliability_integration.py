@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rayapp.backfill import newest_history
-from rayapp.cluster import EmbeddedCluster
-from rayapp.tracking import EPOCH_METRICS, TAG_ATTEMPTS
+from rayapp.tracking.backfill import newest_history
+from rayapp.launch.cluster import EmbeddedCluster
+from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
 
 from conftest import JOBS, alive, cmdline, connect, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rayapp.cluster import EmbeddedCluster, free_port
-from rayapp.tracking import TAG_NODE_IDS
+from rayapp.launch.cluster import EmbeddedCluster, free_port
+from rayapp.tracking.run import TAG_NODE_IDS
 
 from conftest import JOBS
 
@@ -179,8 +179,8 @@ def test_the_cluster_runs_the_resolved_spec(job):
     """What the job's driver loads is the spec resolved here, flags included, pointed at its own cluster."""
     import dataclasses
 
-    from rayapp.loader import build_spec, load_spec, parse_job_yaml
-    from rayapp.remote import remote_job_yaml
+    from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
+    from rayapp.launch.jobs_api import remote_job_yaml
 
     here = load_spec(JOBS / f"{job}.yaml", {"cluster.nodes": 2, "train.epochs": 3, "cluster.address": "http://h:8265",
                                             "tracking.tracking_uri": "http://mlflow:5000"})

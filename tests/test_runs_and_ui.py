@@ -12,8 +12,8 @@ import urllib.request
 from click.testing import CliRunner
 
 from rayapp.cli import main
-from rayapp.cluster import free_port
-from rayapp.tracking import RunLogger, close_run, open_run
+from rayapp.launch.cluster import free_port
+from rayapp.tracking.run import RunLogger, close_run, open_run
 
 
 def logged_run(uri: str) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rayapp.loader import build_spec, load_spec, parse_job_yaml
+from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
 from rayapp.spec import JobSpec, SpecError
 
 from conftest import JOBS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayapp.tracking import EPOCH_METRICS, TAG_CLUSTER, TAG_NODE_IDS, TAG_NODE_IPS
+from rayapp.tracking.run import EPOCH_METRICS, TAG_CLUSTER, TAG_NODE_IDS, TAG_NODE_IPS
 
 from conftest import JOBS, mlflow_client, only_run, run_rayapp
 

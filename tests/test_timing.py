@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rayapp.timing import DdpCommClock
+from rayapp.train.timing import DdpCommClock
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import click
 
 from rayapp.errors import RayappError
 from rayapp.spec import BACKENDS, SCALINGS, STRATEGIES, SpecError
+STRATEGIES = STRATEGIES.names()
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_BAD_INPUT = 2
@@ -126,7 +127,7 @@ OVERRIDE_FIELDS = {
 
 def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any]):
     """defaults < job YAML < flags; with no YAML, the defaults are the article's loop."""
-    from rayapp.loader import build_spec, load_spec
+    from rayapp.spec.loader import build_spec, load_spec
 
     overrides = {OVERRIDE_FIELDS[name]: value for name, value in flags.items() if name in OVERRIDE_FIELDS}
     spec = load_spec(job_yaml, overrides) if job_yaml else build_spec({}, overrides, default_name="seed_linear")
@@ -181,14 +182,14 @@ def submit(job_yaml: Optional[str], schedule_timeout: float, verbose: bool, deta
       rayapp submit --nodes 2 --strategy fsdp jobs/digits_mlp.yaml
       rayapp submit --address http://127.0.0.1:8265 --nodes 2 --tracking-uri http://MLFLOW:5000 jobs/seed_linear.yaml
     """
-    from rayapp.driver import SubmitOptions, submit as run_job
-    from rayapp.progress import EpochPrinter
+    from rayapp.driver.submit import SubmitOptions, submit as run_job
+    from rayapp.cli.progress import EpochPrinter
 
     spec = spec_from_flags(job_yaml, flags)
     if not verbose:
         quiet_library_logs()
     if spec.cluster.address and spec.cluster.address.startswith(("http://", "https://")):
-        from rayapp.remote import submit_remote
+        from rayapp.launch.jobs_api import submit_remote
 
         sys.exit(submit_remote(spec, job_yaml=job_yaml, detach=detach, schedule_timeout_s=schedule_timeout))
     printer = EpochPrinter(spec)
@@ -221,8 +222,8 @@ def runs(experiment: str, tracking_uri: Optional[str], limit: int) -> None:
     Example:
       rayapp runs --experiment rayapp -n 10
     """
-    from rayapp.reports import recent_runs_table
-    from rayapp.tracking import resolve_tracking_uri
+    from rayapp.reports.tables import recent_runs_table
+    from rayapp.tracking.run import resolve_tracking_uri
 
     recent_runs_table(resolve_tracking_uri(tracking_uri), experiment, limit)
 
@@ -238,7 +239,7 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
     Example:
       rayapp ui --port 5000     # then open http://127.0.0.1:5000
     """
-    from rayapp.tracking import resolve_tracking_uri
+    from rayapp.tracking.run import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     if not uri.startswith(("sqlite:", "file:", "postgresql", "mysql", "mssql", "/")):
@@ -249,7 +250,7 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
 
 
 # Jobs API commands (status, logs, stop) live with the remote submission code.
-from rayapp import cli_remote  # noqa: E402,F401  (registers its commands on `main`)
+from rayapp.cli import jobs  # noqa: E402,F401  (registers its commands on `main`)
 
 
 # ---- bench and compare ----------------------------------------------------------------
@@ -286,10 +287,10 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rayapp.compare import render
-    from rayapp.driver import SubmitOptions
-    from rayapp.progress import EpochPrinter
-    from rayapp.sweep import parse_sizes, run_sweep
+    from rayapp.reports.compare import render
+    from rayapp.driver.submit import SubmitOptions
+    from rayapp.cli.progress import EpochPrinter
+    from rayapp.driver.sweep import parse_sizes, run_sweep
 
     sizes = parse_sizes(node_list)
     # Validate every size up front, so a bad combination fails before any run starts.
@@ -335,8 +336,8 @@ def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: 
       rayapp compare 3f2a... 9c1b... --format markdown
       rayapp compare --parent <sweep parent run id> --plot scaling.png
     """
-    from rayapp.compare import load_summaries, render
-    from rayapp.tracking import resolve_tracking_uri
+    from rayapp.reports.compare import load_summaries, render
+    from rayapp.tracking.run import resolve_tracking_uri
 
     if run_ids and (experiment or parent_run_id):
         raise SpecError("give RUN_IDs or --experiment/--parent, not both")
@@ -345,7 +346,7 @@ def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: 
     )
     click.echo(render(summaries, fmt), nl=False)
     if plot_path:
-        from rayapp.plot import scaling_plot
+        from rayapp.reports.plot import scaling_plot
 
         click.echo(f"plot saved to {scaling_plot(summaries, plot_path)}", err=True)
 
@@ -367,8 +368,8 @@ def import_metrics(fallback_file: str, tracking_uri: Optional[str]) -> None:
     """
     from pathlib import Path
 
-    from rayapp.outbox import import_fallback
-    from rayapp.tracking import resolve_tracking_uri
+    from rayapp.tracking.outbox import import_fallback
+    from rayapp.tracking.run import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     try:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from rayapp.compare import RunSummary, load_summaries, render
-from rayapp.driver import SubmitOptions, SubmitResult, submit
-from rayapp.plot import scaling_plot
+from rayapp.reports.compare import RunSummary, load_summaries, render
+from rayapp.driver.submit import SubmitOptions, SubmitResult, submit
+from rayapp.reports.plot import scaling_plot
 from rayapp.spec import JobSpec, SpecError
-from rayapp.tracking import close_run, environment_tags, open_run, resolve_tracking_uri
+from rayapp.tracking.run import close_run, environment_tags, open_run, resolve_tracking_uri
 
 PLOT_ARTIFACT = "scaling.png"
 

@@ -8,12 +8,8 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
-from rayapp.spec import JobSpec
+from rayapp.spec import DATASETS, JobSpec
 
-# scikit-learn's digits: 1797 images; a fixed 80/20 split keeps test accuracy comparable across runs.
-DIGITS_TOTAL_SAMPLES = 1797
-DIGITS_TEST_FRACTION = 0.2
-DIGITS_TRAIN_SAMPLES = DIGITS_TOTAL_SAMPLES - round(DIGITS_TOTAL_SAMPLES * DIGITS_TEST_FRACTION)
 
 
 @dataclass
@@ -59,7 +55,7 @@ def _digits(spec: JobSpec) -> Datasets:
     inputs = torch.tensor(images, dtype=torch.float32) / 16.0  # pixel values are 0..16
     labels = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
-    n_train = DIGITS_TRAIN_SAMPLES
+    n_train = DATASETS.get("digits").meta["train_samples"]
     train_idx, test_idx = order[:n_train], order[n_train:]
     return Datasets(
         train=TensorDataset(inputs[train_idx], labels[train_idx]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rayapp.compare import RunSummary
+from rayapp.reports.compare import RunSummary
 
 
 def scaling_plot(summaries: list[RunSummary], path: str | Path) -> Path:

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rayapp.backfill import read_history, write_history
-from rayapp.data import build_datasets
-from rayapp.models import build_loss, build_model, build_optimizer
+from rayapp.tracking.backfill import read_history, write_history
+from rayapp.train.data import build_datasets
+from rayapp.train.models import build_loss, build_model, build_optimizer
 from rayapp.spec import JobSpec
-from rayapp.strategies import apply_ddp, apply_dp, apply_fsdp, apply_mp, local_parameter_bytes
-from rayapp.timing import DdpCommClock, Stopwatch, synchronize
-from rayapp.tracking import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
+from rayapp.train.strategies import apply_ddp, apply_dp, apply_fsdp, apply_mp, local_parameter_bytes
+from rayapp.train.timing import DdpCommClock, Stopwatch, synchronize
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS, NullLogger, RunLogger
 
 CHECKPOINT_FILE = "state.pt"
 FLUSH_ON_ERROR_S = 10.0

@@ -170,7 +170,7 @@ class RunLogger(NullLogger):
     slow or absent tracking server never stalls training; reads (on resume) are direct."""
 
     def __init__(self, tracking_uri: str, run_id: str, fallback_path: str, notify=lambda message: None) -> None:
-        from rayapp.outbox import Outbox
+        from rayapp.tracking.outbox import Outbox
 
         self._outbox = Outbox(tracking_uri, Path(fallback_path), notify=notify)
         self.run_id = run_id
@@ -179,17 +179,17 @@ class RunLogger(NullLogger):
         self.log_metrics(metrics, step=epoch)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
-        from rayapp.outbox import Record
+        from rayapp.tracking.outbox import Record
 
         self._outbox.put(Record("metrics", self.run_id, step=step, values={k: float(v) for k, v in metrics.items()}))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        from rayapp.outbox import Record
+        from rayapp.tracking.outbox import Record
 
         self._outbox.put(Record("tags", self.run_id, values={k: str(v) for k, v in tags.items()}))
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        from rayapp.outbox import Record
+        from rayapp.tracking.outbox import Record
 
         self._outbox.put(Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path}))
 
@@ -197,7 +197,7 @@ class RunLogger(NullLogger):
         """Flush; returns the fallback file when the server could not take everything.
 
         With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at that step."""
-        from rayapp.outbox import Record
+        from rayapp.tracking.outbox import Record
 
         def write_cost(stats) -> Record:
             return Record("metrics", self.run_id, step=write_cost_step,
@@ -227,7 +227,7 @@ class RunLogger(NullLogger):
 def fallback_path(storage_path: str, trial_name: str, run_id: str) -> str:
     """Where undelivered MLflow records go: beside the checkpoints when storage is a local or NFS
     path; in this node's temp directory when it is an object store (s3://, gs://)."""
-    from rayapp.outbox import FALLBACK_SUFFIX
+    from rayapp.tracking.outbox import FALLBACK_SUFFIX
 
     base = Path(tempfile.gettempdir()) / "rayapp" if "://" in storage_path else Path(storage_path)
     return str(base / trial_name / f"{run_id}{FALLBACK_SUFFIX}")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
 from rayapp.errors import RayappError
-from rayapp.reports import epoch_values, steady_median
+from rayapp.reports.tables import epoch_values, steady_median
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def backfill_epochs(tracking_uri: str, run_id: str, trial_dir: str) -> list[int]
     Raises what MLflow raises when it cannot be reached; the caller decides what to tell."""
     from mlflow.tracking import MlflowClient
 
-    from rayapp.outbox import Record, deliver
+    from rayapp.tracking.outbox import Record, deliver
 
     saved = newest_history(trial_dir)
     if saved is None or saved.get("run_id") != run_id:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rayapp.spec import JobSpec
 
 if TYPE_CHECKING:
-    from rayapp.driver import SubmitResult
+    from rayapp.driver.submit import SubmitResult
 
 
 class EpochPrinter:

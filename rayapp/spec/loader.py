@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from rayapp.spec import ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
+from rayapp.spec.job import ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from rayapp.cluster import EmbeddedCluster
+from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.errors import RayappError
-from rayapp.preflight import check_capacity, resolve_backend
-from rayapp.spec import SINGLE_PROCESS_STRATEGIES, JobSpec
-from rayapp.tracking import (
+from rayapp.launch.preflight import check_capacity, resolve_backend
+from rayapp.spec import JobSpec
+from rayapp.tracking.run import (
     TAG_CLUSTER,
     close_run,
     environment_tags,
@@ -27,7 +27,7 @@ from rayapp.tracking import (
     open_run,
     resolve_tracking_uri,
 )
-from rayapp.worker import WorkerConfig, train_loop_per_worker
+from rayapp.train.loop import WorkerConfig, train_loop_per_worker
 
 ProgressCallback = Callable[[dict], None]
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -158,7 +158,7 @@ def _trial_name(spec: JobSpec, run_id: str) -> str:
 
 def _backfill_from_checkpoint(spec: JobSpec, tracking_uri: str, run_id: str, status: Callable[[str], None]) -> None:
     """Log the epochs rank 0 checkpointed but did not get to send before the job ended."""
-    from rayapp.backfill import backfill_epochs
+    from rayapp.tracking.backfill import backfill_epochs
 
     trial_dir = f"{_storage_path(spec.cluster.storage_path).rstrip('/')}/{_trial_name(spec, run_id)}"
     try:
@@ -184,7 +184,7 @@ def _spans(numbers: list[int]) -> str:
 
 def _close_run_or_save(tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]) -> None:
     """Mark the run's end; if the server is gone, keep the status with the other undelivered records."""
-    from rayapp.outbox import CLIENT_ENV, Record, append_fallback
+    from rayapp.tracking.outbox import CLIENT_ENV, Record, append_fallback
 
     os.environ.update(CLIENT_ENV)  # fail each try in seconds; the retries are here
     for delay in (0, 2, 5):
@@ -297,7 +297,7 @@ def _local_gpus() -> int:
 
 def _gpus_per_worker(spec: JobSpec) -> int:
     """One GPU per worker, except dp/mp, whose single process drives every GPU of its node."""
-    if spec.train.strategy not in SINGLE_PROCESS_STRATEGIES:
+    if not spec.single_process:
         return 1
     import ray
 
@@ -337,7 +337,7 @@ def _build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
 
 def _worker_env() -> Optional[dict]:
     """rayapp settings from the submitting shell that the workers need, also on a remote cluster."""
-    from rayapp.outbox import GRACE_ENV
+    from rayapp.tracking.outbox import GRACE_ENV
 
     env_vars = {name: os.environ[name] for name in (GRACE_ENV,) if name in os.environ}
     return {"env_vars": env_vars} if env_vars else None

@@ -13,7 +13,7 @@ from typing import Optional
 import click
 
 from rayapp.cli import CONTEXT_SETTINGS, EXIT_INTERRUPTED, friendly_errors, main
-from rayapp.remote import DEFAULT_DASHBOARD_ADDRESS, STOP_TIMEOUT_S, default_address, normalize_address, one_line
+from rayapp.launch.jobs_api import DEFAULT_DASHBOARD_ADDRESS, STOP_TIMEOUT_S, default_address, normalize_address, one_line
 
 STATUS_COLOURS = {"SUCCEEDED": "green", "FAILED": "red", "STOPPED": "yellow", "RUNNING": "cyan", "PENDING": "blue"}
 
@@ -60,7 +60,7 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rayapp.remote import connect, job_info, list_submissions
+    from rayapp.launch.jobs_api import connect, job_info, list_submissions
 
     address = normalize_address(address)
     client = connect(address)
@@ -114,7 +114,7 @@ def logs(submission_id: str, follow: bool, address: str) -> None:
       rayapp logs rayapp-seed_linear-1a2b3c4d
       rayapp logs rayapp-seed_linear-1a2b3c4d -f --address http://127.0.0.1:8265
     """
-    from rayapp.remote import connect, print_logs, stream_logs
+    from rayapp.launch.jobs_api import connect, print_logs, stream_logs
 
     address = normalize_address(address)
     client = connect(address)
@@ -145,7 +145,7 @@ def stop(submission_id: str, address: str, timeout: float) -> None:
       rayapp stop rayapp-seed_linear-1a2b3c4d
       rayapp stop rayapp-seed_linear-1a2b3c4d --address http://127.0.0.1:8265 --timeout 120
     """
-    from rayapp.remote import TERMINAL_STATUSES, connect, job_info, stop_job
+    from rayapp.launch.jobs_api import TERMINAL_STATUSES, connect, job_info, stop_job
 
     address = normalize_address(address)
     client = connect(address)

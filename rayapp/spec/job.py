@@ -1,7 +1,8 @@
 """The job spec: one frozen, validated description of a training job.
 
 Every value a job can take is checked here, once, so the driver and the worker
-loop never re-check input. Specs are built by :mod:`rayapp.loader` from
+loop never re-check input. Names (model, data, loss, optimizer, strategy) are checked against
+the registries of :mod:`rayapp.spec.catalog`. Specs are built by :mod:`rayapp.spec.loader` from
 defaults < job YAML < command-line flags.
 """
 
@@ -10,18 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
+from rayapp.spec.errors import SpecError
+
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
-STRATEGIES = ("ddp", "fsdp", "dp", "mp")
-SINGLE_PROCESS_STRATEGIES = ("dp", "mp")
-"""One worker process driving several GPUs of one node: nn.DataParallel, or the model split across two GPUs."""
 SCALINGS = ("strong", "weak")
-MODEL_KINDS = ("linear", "mlp")
-DATA_KINDS = ("random", "synthetic", "digits")
-OPTIMIZERS = ("sgd", "adam")
-
-
-class SpecError(ValueError):
-    """A job spec value is invalid. The message is one line, meant for a person."""
 
 
 def _one_of(field_name: str, value: object, accepted: tuple[str, ...]) -> None:
@@ -47,15 +41,18 @@ class ModelSpec:
     """Hidden layer widths of the `mlp`; must be empty for `linear`."""
 
     def __post_init__(self) -> None:
-        _one_of("model.kind", self.kind, MODEL_KINDS)
+        MODELS.check(self.kind)
         if not isinstance(self.hidden, tuple):
             raise SpecError(f"model.hidden: {self.hidden!r} is not accepted; use a list of widths, e.g. [256, 256]")
         for width in self.hidden:
             _positive_int("model.hidden[]", width)
-        if self.kind == "mlp" and not self.hidden:
-            raise SpecError("model.hidden: [] is not accepted for kind mlp; give at least one width, e.g. [256]")
-        if self.kind == "linear" and self.hidden:
-            raise SpecError(f"model.hidden: {list(self.hidden)} is not accepted for kind linear; remove it or use kind: mlp")
+        hidden_rule = MODELS.get(self.kind).meta.get("hidden")
+        if hidden_rule == "required" and not self.hidden:
+            raise SpecError(f"model.hidden: [] is not accepted for kind {self.kind}; give at least one width, e.g. [256]")
+        if hidden_rule == "none" and self.hidden:
+            raise SpecError(
+                f"model.hidden: {list(self.hidden)} is not accepted for kind {self.kind}; remove it or use kind: mlp"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,21 +71,26 @@ class DataSpec:
     """Strong scaling: size of the fixed global training set, split across workers."""
 
     def __post_init__(self) -> None:
-        _one_of("data.kind", self.kind, DATA_KINDS)
+        DATASETS.check(self.kind)
         for name in ("features", "targets", "steps_per_epoch", "num_samples"):
             _positive_int(f"data.{name}", getattr(self, name))
 
     @property
     def input_size(self) -> int:
-        return 64 if self.kind == "digits" else self.features
+        return DATASETS.get(self.kind).meta.get("input_size", self.features)
 
     @property
     def output_size(self) -> int:
-        return 10 if self.kind == "digits" else self.targets
+        return DATASETS.get(self.kind).meta.get("output_size", self.targets)
 
     @property
     def is_classification(self) -> bool:
-        return self.kind == "digits"
+        return DATASETS.get(self.kind).meta["classification"]
+
+    @property
+    def fixed_size(self) -> bool:
+        """A real data set of a given size, which weak scaling cannot grow."""
+        return DATASETS.get(self.kind).meta["fixed_size"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +102,8 @@ class TrainSpec:
     """Strong scaling: samples per step across all workers, fixed whatever the world size."""
     lr: float = 0.001
     optimizer: str = "sgd"
+    loss: Optional[str] = None
+    """A built-in loss (mse, cross_entropy); none: cross_entropy for labelled data, else mse."""
     seed: int = 0
     scaling: str = "weak"
     """`weak`: each worker keeps its own batch and steps (the article's loop); `strong`: a fixed
@@ -111,9 +115,11 @@ class TrainSpec:
     def __post_init__(self) -> None:
         _positive_int("train.epochs", self.epochs)
         _positive_number("train.lr", self.lr)
-        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        OPTIMIZERS.check(self.optimizer)
+        if self.loss is not None:
+            LOSSES.check(self.loss)
         _one_of("train.scaling", self.scaling, SCALINGS)
-        _one_of("train.strategy", self.strategy, STRATEGIES)
+        STRATEGIES.check(self.strategy)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise SpecError(f"train.seed: {self.seed!r} is not accepted; use a whole number >= 0")
         if self.scaling == "weak":
@@ -186,19 +192,23 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise SpecError(f"name: {self.name!r} is not accepted; use a non-empty job name")
-        if self.data.kind == "digits" and self.train.scaling == "weak":
+        if self.data.fixed_size and self.train.scaling == "weak":
             raise SpecError(
-                "train.scaling: 'weak' is not accepted with data.kind digits (a fixed, real data set); use scaling: strong"
+                f"train.scaling: 'weak' is not accepted with data.kind {self.data.kind} (a fixed, real data set); "
+                "use scaling: strong"
             )
-        if self.train.strategy in SINGLE_PROCESS_STRATEGIES:
+        strategy = STRATEGIES.get(self.train.strategy).meta
+        if strategy.get("single_process"):
             if self.cluster.world_size != 1:
                 raise SpecError(
                     f"train.strategy: {self.train.strategy!r} runs one process on one node, not "
                     f"nodes {self.cluster.nodes} * workers_per_node {self.cluster.workers_per_node}; "
                     "use --nodes 1 --workers-per-node 1, or ddp/fsdp to spread over nodes"
                 )
-            if self.train.strategy == "mp" and len(self.model.hidden) < 1:
-                raise SpecError("train.strategy: 'mp' splits the model's layers across two GPUs; use model.kind mlp")
+            if strategy.get("needs_sequential") and len(self.model.hidden) < 1:
+                raise SpecError(
+                    f"train.strategy: {self.train.strategy!r} splits the model's layers across two GPUs; use model.kind mlp"
+                )
         world = self.cluster.world_size
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size
@@ -234,11 +244,17 @@ class JobSpec:
         """Training samples across all workers for one epoch."""
         if self.train.scaling == "weak":
             return self.data.steps_per_epoch * self.train.batch_size * self.world_size
-        if self.data.kind == "digits":
-            from rayapp.data import DIGITS_TRAIN_SAMPLES
+        return DATASETS.get(self.data.kind).meta.get("train_samples", self.data.num_samples)
 
-            return DIGITS_TRAIN_SAMPLES
-        return self.data.num_samples
+    @property
+    def loss(self) -> str:
+        """The loss name: train.loss, else the data's natural one."""
+        return self.train.loss or ("cross_entropy" if self.data.is_classification else "mse")
+
+    @property
+    def single_process(self) -> bool:
+        """One worker process driving several GPUs of one node (dp, mp)."""
+        return bool(STRATEGIES.get(self.train.strategy).meta.get("single_process"))
 
     @property
     def steps_per_epoch(self) -> int:

@@ -35,14 +35,14 @@ import click
 
 from rayapp.errors import RayappError
 from rayapp.spec import JobSpec
-from rayapp.tracking import resolve_tracking_uri
+from rayapp.tracking.run import resolve_tracking_uri
 
 DEFAULT_DASHBOARD_ADDRESS = "http://127.0.0.1:8265"
 EXIT_INTERRUPTED = 130
 JOB_FILE = "job.yaml"
 # The job's driver runs `python -m rayapp.remote submit job.yaml ...`: the `rayapp` CLI, entered
 # through job_main() below so that `rayapp stop` can interrupt it.
-JOB_ENTRY_MODULE = "rayapp.remote"
+JOB_ENTRY_MODULE = "rayapp.launch.jobs_api"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_TIMEOUT_S = 60.0
 # How long a submission retries while the head has no job agent yet (right after `ray up`).

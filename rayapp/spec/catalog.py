@@ -1,0 +1,51 @@
+"""The built-in entries of every registry. Builders live in :mod:`rayapp.train`; only their import
+paths and the metadata the spec validates against are here, so reading a job needs no torch."""
+
+from __future__ import annotations
+
+from rayapp.spec.registry import Registry
+
+MODELS = Registry("model.kind")
+MODELS.register("linear", "rayapp.train.models:build_linear", "nn.Linear(in, out): the article's model", hidden="none")
+MODELS.register("mlp", "rayapp.train.models:build_mlp", "Linear+ReLU layers of model.hidden widths", hidden="required")
+
+DATASETS = Registry("data.kind")
+DATASETS.register(
+    "random", "rayapp.train.data:random_regression",
+    "fresh Gaussian inputs and targets, as in the article: nothing to learn, only work to do",
+    classification=False, fixed_size=False,
+)
+DATASETS.register(
+    "synthetic", "rayapp.train.data:synthetic_regression",
+    "a fixed, seeded regression set whose target a model can learn",
+    classification=False, fixed_size=False,
+)
+DIGITS_TOTAL_SAMPLES = 1797
+DIGITS_TEST_SAMPLES = round(DIGITS_TOTAL_SAMPLES * 0.2)  # a fixed 80/20 split keeps accuracy comparable
+DATASETS.register(
+    "digits", "rayapp.train.data:digits",
+    "scikit-learn's bundled 8x8 handwritten digits (real data, 10 classes, 80/20 split)",
+    classification=True, fixed_size=True, input_size=64, output_size=10,
+    train_samples=DIGITS_TOTAL_SAMPLES - DIGITS_TEST_SAMPLES,
+)
+
+LOSSES = Registry("train.loss")
+LOSSES.register("mse", "torch.nn:MSELoss", "mean squared error (regression)")
+LOSSES.register("cross_entropy", "torch.nn:CrossEntropyLoss", "cross entropy over class logits (classification)")
+
+OPTIMIZERS = Registry("train.optimizer")
+OPTIMIZERS.register("sgd", "torch.optim:SGD")
+OPTIMIZERS.register("adam", "torch.optim:Adam")
+OPTIMIZERS.register("adamw", "torch.optim:AdamW")
+
+STRATEGIES = Registry("train.strategy")
+STRATEGIES.register("ddp", "rayapp.train.strategies:apply_ddp", "DistributedDataParallel: one replica per worker")
+STRATEGIES.register("fsdp", "rayapp.train.strategies:apply_fsdp", "FSDP2 fully_shard: parameters sharded over workers")
+STRATEGIES.register(
+    "dp", "rayapp.train.strategies:apply_dp", "nn.DataParallel over the GPUs of one node, one process",
+    single_process=True, min_gpus=2,
+)
+STRATEGIES.register(
+    "mp", "rayapp.train.strategies:apply_mp", "the model's layers split across two GPUs of one node, one process",
+    single_process=True, min_gpus=2, needs_sequential=True,
+)
