@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from rayapp.cli import main
 from rayapp.reports.compare import load_summaries, render
 from rayapp.reports.plot import scaling_plot
-from rayapp.tracking.run import RunLogger, close_run, open_run
+from rayapp.tracking.logger import RunLogger
+from rayapp.tracking.run import close_run, open_run
 
 
 def log_run(uri: str, *, job: str, world: int, scaling: str, epochs: list[dict], experiment: str = "cmp") -> str:

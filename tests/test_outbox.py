@@ -8,7 +8,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayapp.tracking.outbox import MAX_METRICS_PER_WRITE, MAX_WRITE_GAP_S, Outbox, Record, leading_write
-from rayapp.tracking.run import EPOCH_METRICS, WRITE_COST_METRICS, RunLogger, open_run
+from rayapp.tracking.logger import RunLogger
+from rayapp.tracking.run import EPOCH_METRICS, WRITE_COST_METRICS, open_run
 
 
 @pytest.fixture

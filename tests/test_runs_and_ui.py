@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from rayapp.cli import main
 from rayapp.launch.cluster import free_port
-from rayapp.tracking.run import RunLogger, close_run, open_run
+from rayapp.tracking.logger import RunLogger
+from rayapp.tracking.run import close_run, open_run
 
 
 def logged_run(uri: str) -> str:

@@ -8,8 +8,9 @@ defaults < job YAML < command-line flags.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
 from rayapp.spec.errors import SpecError
@@ -28,6 +29,34 @@ def _positive_int(field_name: str, value: object) -> None:
         raise SpecError(f"{field_name}: {value!r} is not accepted; use a whole number >= 1")
 
 
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def is_import_path(value: object) -> bool:
+    """``package.module:function``, the form users name their own builders and loops in."""
+    return isinstance(value, str) and bool(_IMPORT_PATH.match(value))
+
+
+def _import_path(field_name: str, value: object) -> None:
+    if value is not None and not is_import_path(value):
+        raise SpecError(f"{field_name}: {value!r} is not accepted; use an import path module:function, e.g. mymodels:build")
+
+
+def _mapping(field_name: str, value: object) -> None:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise SpecError(
+            f"{field_name}: {value!r} is not accepted; use a mapping of keyword arguments, e.g. {{hidden: 48}}"
+        )
+
+
+def _one_source(section: str, kind: object, factory: object) -> None:
+    if kind is not None and factory is not None:
+        raise SpecError(
+            f"{section}.factory: {factory!r} is not accepted together with {section}.kind {kind!r}; "
+            f"give one of them: kind for a built-in, factory for your own"
+        )
+
+
 def _positive_number(field_name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
         raise SpecError(f"{field_name}: {value!r} is not accepted; use a number > 0")
@@ -35,12 +64,29 @@ def _positive_number(field_name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    kind: str = "linear"
-    """`linear` (the article's nn.Linear) or `mlp`. Input and output sizes come from the data."""
+    kind: Optional[str] = None
+    """A built-in model: `linear` (the article's nn.Linear, the default) or `mlp`. Input and
+    output sizes come from the data."""
     hidden: tuple[int, ...] = ()
     """Hidden layer widths of the `mlp`; must be empty for `linear`."""
+    factory: Optional[str] = None
+    """Your own model instead: ``module:function`` returning an nn.Module, called with `args`.
+    Imported from the job file's directory first, then installed packages."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for `factory`."""
 
     def __post_init__(self) -> None:
+        _one_source("model", self.kind, self.factory)
+        _import_path("model.factory", self.factory)
+        _mapping("model.args", self.args)
+        if self.factory is not None:
+            if self.hidden:
+                raise SpecError("model.hidden: only for built-in models; pass your factory's sizes in model.args")
+            return
+        if self.args:
+            raise SpecError(f"model.args: {self.args!r} is only for model.factory; built-in models take model.hidden")
+        if self.kind is None:
+            object.__setattr__(self, "kind", "linear")
         MODELS.check(self.kind)
         if not isinstance(self.hidden, tuple):
             raise SpecError(f"model.hidden: {self.hidden!r} is not accepted; use a list of widths, e.g. [256, 256]")
@@ -57,7 +103,7 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSpec:
-    kind: str = "random"
+    kind: Optional[str] = None
     """`random`: fresh Gaussian inputs and targets, as in the article (each rank its own batches).
     `synthetic`: a fixed, seeded regression set with a learnable target.
     `digits`: scikit-learn's bundled 8x8 handwritten digits (real data, 10 classes, test accuracy)."""
@@ -69,28 +115,47 @@ class DataSpec:
     """Weak scaling: batches each worker trains per epoch, so the data set grows with the world size."""
     num_samples: int = 8192
     """Strong scaling: size of the fixed global training set, split across workers."""
+    factory: Optional[str] = None
+    """Your own data instead: ``module:function`` returning a map-style Dataset, or (train, test),
+    called with `args`. Each worker shards it with a DistributedSampler."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for `factory`."""
 
     def __post_init__(self) -> None:
-        DATASETS.check(self.kind)
+        _one_source("data", self.kind, self.factory)
+        _import_path("data.factory", self.factory)
+        _mapping("data.args", self.args)
+        if self.factory is None and self.args:
+            raise SpecError(f"data.args: {self.args!r} is only for data.factory")
+        if self.factory is None and self.kind is None:
+            object.__setattr__(self, "kind", "random")
+        if self.kind is not None:
+            DATASETS.check(self.kind)
         for name in ("features", "targets", "steps_per_epoch", "num_samples"):
             _positive_int(f"data.{name}", getattr(self, name))
 
     @property
+    def _meta(self) -> dict:
+        # A user's data set: a fixed, real set whose labels the loss (train.loss) says.
+        return dict(DATASETS.get(self.kind).meta) if self.kind else {"classification": None, "fixed_size": True}
+
+    @property
     def input_size(self) -> int:
-        return DATASETS.get(self.kind).meta.get("input_size", self.features)
+        return self._meta.get("input_size", self.features)
 
     @property
     def output_size(self) -> int:
-        return DATASETS.get(self.kind).meta.get("output_size", self.targets)
+        return self._meta.get("output_size", self.targets)
 
     @property
-    def is_classification(self) -> bool:
-        return DATASETS.get(self.kind).meta["classification"]
+    def is_classification(self) -> Optional[bool]:
+        """True/False for built-ins; None for a user's data set (train.loss decides)."""
+        return self._meta["classification"]
 
     @property
     def fixed_size(self) -> bool:
         """A real data set of a given size, which weak scaling cannot grow."""
-        return DATASETS.get(self.kind).meta["fixed_size"]
+        return self._meta["fixed_size"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +168,16 @@ class TrainSpec:
     lr: float = 0.001
     optimizer: str = "sgd"
     loss: Optional[str] = None
-    """A built-in loss (mse, cross_entropy); none: cross_entropy for labelled data, else mse."""
+    """A built-in loss (mse, cross_entropy) or ``module:function`` returning a loss module/function;
+    none: cross_entropy for labelled data, else mse."""
+    loop: Optional[str] = None
+    """Your own per-worker loop, ``module:function(ctx)`` (see rayapp.train.context.TrainContext)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments your loop reads as ``ctx.args``."""
+    script: Optional[str] = None
+    """A torchrun-style script each worker runs in a child process (``rayapp submit --script``)."""
+    script_args: tuple[str, ...] = ()
+    """Command-line arguments for the script (what follows ``--`` on the command line)."""
     seed: int = 0
     scaling: str = "weak"
     """`weak`: each worker keeps its own batch and steps (the article's loop); `strong`: a fixed
@@ -115,9 +189,18 @@ class TrainSpec:
     def __post_init__(self) -> None:
         _positive_int("train.epochs", self.epochs)
         _positive_number("train.lr", self.lr)
-        OPTIMIZERS.check(self.optimizer)
-        if self.loss is not None:
+        if not is_import_path(self.optimizer):
+            OPTIMIZERS.check(self.optimizer)
+        if self.loss is not None and not is_import_path(self.loss):
             LOSSES.check(self.loss)
+        _import_path("train.loop", self.loop)
+        _mapping("train.args", self.args)
+        if self.script is not None and (not isinstance(self.script, str) or not self.script.strip()):
+            raise SpecError(f"train.script: {self.script!r} is not accepted; use the path of a Python script")
+        if self.script is not None and self.loop is not None:
+            raise SpecError("train.script and train.loop: give one; a script runs instead of any loop")
+        if not isinstance(self.script_args, tuple) or not all(isinstance(a, str) for a in self.script_args):
+            raise SpecError(f"train.script_args: {self.script_args!r} is not accepted; use a list of strings")
         _one_of("train.scaling", self.scaling, SCALINGS)
         STRATEGIES.check(self.strategy)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -151,6 +234,9 @@ class ClusterSpec:
     """Where Ray Train keeps checkpoints; must be shared storage (NFS, s3://, gs://) on a real cluster."""
     max_failures: int = 0
     """Worker failures Ray Train recovers from (restarting from the last checkpoint)."""
+    working_dir: Optional[str] = None
+    """Directory shipped to every worker (Ray runtime_env working_dir) so they import your code
+    from it; none: the job file's directory when the job names your code, else nothing."""
 
     def __post_init__(self) -> None:
         _positive_int("cluster.nodes", self.nodes)
@@ -161,6 +247,8 @@ class ClusterSpec:
             raise SpecError(f"cluster.max_failures: {self.max_failures!r} is not accepted; use a whole number >= 0")
         if not isinstance(self.storage_path, str) or not self.storage_path:
             raise SpecError(f"cluster.storage_path: {self.storage_path!r} is not accepted; use a directory or URI")
+        if self.working_dir is not None and (not isinstance(self.working_dir, str) or not self.working_dir.strip()):
+            raise SpecError(f"cluster.working_dir: {self.working_dir!r} is not accepted; use a directory path")
         if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
             raise SpecError(f"cluster.address: {self.address!r} is not accepted; use HOST:PORT, ray://HOST:10001 or http://HOST:8265")
 
@@ -192,7 +280,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise SpecError(f"name: {self.name!r} is not accepted; use a non-empty job name")
-        if self.data.fixed_size and self.train.scaling == "weak":
+        if self.data.kind is not None and self.data.fixed_size and self.train.scaling == "weak":
             raise SpecError(
                 f"train.scaling: 'weak' is not accepted with data.kind {self.data.kind} (a fixed, real data set); "
                 "use scaling: strong"
@@ -209,6 +297,10 @@ class JobSpec:
                 raise SpecError(
                     f"train.strategy: {self.train.strategy!r} splits the model's layers across two GPUs; use model.kind mlp"
                 )
+        if self.uses_standard_loop and self.data.factory is not None and self.train.loss is None:
+            raise SpecError(
+                "train.loss: missing; with data.factory name the loss: cross_entropy, mse or module:function"
+            )
         world = self.cluster.world_size
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size
@@ -218,7 +310,7 @@ class JobSpec:
                     f"(nodes {self.cluster.nodes} * workers_per_node {self.cluster.workers_per_node}); "
                     "pick a global batch that is a multiple of the world size"
                 )
-            per_rank_samples = self.num_train_samples // world
+            per_rank_samples = (self.num_train_samples or gbs) // world  # a user's data set: checked when built
             if per_rank_samples < gbs // world:
                 raise SpecError(
                     f"data.num_samples: {self.num_train_samples} gives {per_rank_samples} samples per worker, "
@@ -240,15 +332,22 @@ class JobSpec:
         return self.batch_size_per_worker * self.world_size
 
     @property
-    def num_train_samples(self) -> int:
-        """Training samples across all workers for one epoch."""
+    def uses_standard_loop(self) -> bool:
+        """rayapp's own loop trains the job (not the user's train.loop, nor a script)."""
+        return self.train.loop is None and self.train.script is None
+
+    @property
+    def num_train_samples(self) -> Optional[int]:
+        """Training samples across all workers for one epoch; None for a user's data set (known once built)."""
+        if self.data.factory is not None:
+            return None
         if self.train.scaling == "weak":
             return self.data.steps_per_epoch * self.train.batch_size * self.world_size
         return DATASETS.get(self.data.kind).meta.get("train_samples", self.data.num_samples)
 
     @property
     def loss(self) -> str:
-        """The loss name: train.loss, else the data's natural one."""
+        """The loss: train.loss, else the data's natural one."""
         return self.train.loss or ("cross_entropy" if self.data.is_classification else "mse")
 
     @property
@@ -257,5 +356,8 @@ class JobSpec:
         return bool(STRATEGIES.get(self.train.strategy).meta.get("single_process"))
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps each worker takes per epoch; None for a user's data set (known once built)."""
+        if self.num_train_samples is None:
+            return None
         return (self.num_train_samples // self.world_size) // self.batch_size_per_worker

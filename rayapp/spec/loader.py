@@ -66,8 +66,9 @@ def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dic
         if key not in accepted:
             raise SpecError(f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
     values = dict(values)
-    if "hidden" in values and isinstance(values["hidden"], list):
-        values["hidden"] = tuple(values["hidden"])
+    for key in ("hidden", "script_args"):  # YAML lists; the frozen spec keeps tuples
+        if isinstance(values.get(key), list):
+            values[key] = tuple(values[key])
     if isinstance(values.get("lr"), str):
         # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as the number a person meant.
         try:

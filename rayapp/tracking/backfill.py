@@ -60,12 +60,13 @@ def backfill_epochs(tracking_uri: str, run_id: str, trial_dir: str) -> list[int]
     from mlflow.tracking import MlflowClient
 
     from rayapp.tracking.outbox import Record, deliver
+    from rayapp.tracking.run import EPOCH_MARKER_METRIC
 
     saved = newest_history(trial_dir)
     if saved is None or saved.get("run_id") != run_id:
         return []
     client = MlflowClient(tracking_uri)
-    logged = {metric.step for metric in client.get_metric_history(run_id, "loss")}
+    logged = {metric.step for metric in client.get_metric_history(run_id, EPOCH_MARKER_METRIC)}
     missing = [epoch for epoch in range(len(saved["history"])) if epoch not in logged]
     deliver(client, [Record("metrics", run_id, step=epoch, values=saved["history"][epoch]) for epoch in missing])
     return missing

@@ -24,9 +24,30 @@ class Datasets:
 
 
 def build_datasets(spec: JobSpec) -> Datasets:
-    """The job's train (and test) set, from the builder its data.kind names."""
+    """The job's train (and test) set: the user's data.factory(**data.args), or the built-in
+    builder data.kind names. Raises TypeError naming what a factory should return."""
+    if spec.data.factory is not None:
+        return as_datasets(import_object(spec.data.factory)(**spec.data.args), spec.data.factory)
     built = import_object(DATASETS.get(spec.data.kind).target)(spec)
     return built if isinstance(built, Datasets) else Datasets(train=built)
+
+
+def as_datasets(built: object, source: str) -> Datasets:
+    """A factory's result as Datasets: a map-style Dataset, or a (train, test) pair of them."""
+    if isinstance(built, Datasets):
+        return built
+    if isinstance(built, tuple) and len(built) == 2 and all(_is_map_style(part) for part in built):
+        return Datasets(train=built[0], test=built[1])
+    if _is_map_style(built):
+        return Datasets(train=built)
+    raise TypeError(
+        f"{source} returned {type(built).__name__}; expected a map-style torch.utils.data.Dataset "
+        "(with __getitem__ and __len__) or a (train, test) tuple of them"
+    )
+
+
+def _is_map_style(obj: object) -> bool:
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, tuple, dict))
 
 
 def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int) -> DataLoader:

@@ -1,19 +1,46 @@
-"""One function per parallel strategy. Each takes a plain model already on its device."""
+"""One function per parallel strategy, registered by name in :mod:`rayapp.spec.catalog`.
+
+Each takes the plain model and the worker's device, and returns a :class:`Placement`: the model
+to train and the devices a batch enters on and the loss is taken on (they differ only when the
+model spans devices). The loop calls :func:`apply_strategy` and never branches on the name.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from rayapp.spec import STRATEGIES, JobSpec
+from rayapp.train.builders import import_object
 
-def apply_ddp(model: nn.Module, *, device: torch.device) -> nn.Module:
+
+@dataclass(frozen=True)
+class Placement:
+    model: nn.Module
+    input_device: torch.device
+    """Where each batch's inputs go."""
+    output_device: torch.device
+    """Where the model's outputs come out, so where targets go and the loss is taken."""
+
+
+def apply_strategy(spec: JobSpec, model: nn.Module, device: torch.device) -> Placement:
+    """The job's strategy applied to `model`; moves it to `device` first unless the strategy places it."""
+    apply = import_object(STRATEGIES.get(spec.train.strategy).target)
+    if not spec.single_process:
+        model = model.to(device)
+    return apply(model, device=device)
+
+
+def apply_ddp(model: nn.Module, *, device: torch.device) -> Placement:
     """Replicate the model; DDP's built-in all-reduce averages the gradients."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return Placement(DistributedDataParallel(model, device_ids=device_ids), device, device)
 
 
-def apply_fsdp(model: nn.Module, *, device: torch.device) -> nn.Module:
+def apply_fsdp(model: nn.Module, *, device: torch.device) -> Placement:
     """Shard parameters, gradients and optimizer state (FSDP2 `fully_shard`).
 
     Works with NCCL on GPUs and Gloo on CPUs. Each Linear layer becomes its own
@@ -26,24 +53,16 @@ def apply_fsdp(model: nn.Module, *, device: torch.device) -> nn.Module:
         if isinstance(module, nn.Linear) and module is not model:
             fully_shard(module)
     fully_shard(model)
-    return model
+    return Placement(model, device, device)
 
 
-def local_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds: the whole model under DDP, its shard under FSDP."""
-    total = 0
-    for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        total += local.numel() * local.element_size()
-    return total
-
-
-def apply_dp(model: nn.Module, *, device: torch.device) -> nn.Module:
+def apply_dp(model: nn.Module, *, device: torch.device) -> Placement:
     """nn.DataParallel: one process scatters each batch over every GPU of the node (the article's DP)."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus < 2:
         raise RuntimeError(f"strategy 'dp' needs at least 2 CUDA GPUs on the node; this worker sees {gpus}; use ddp")
-    return nn.DataParallel(model.to("cuda:0"), device_ids=list(range(gpus)))
+    first = torch.device("cuda:0")
+    return Placement(nn.DataParallel(model.to(first), device_ids=list(range(gpus))), first, first)
 
 
 class TwoDeviceModel(nn.Module):
@@ -61,8 +80,18 @@ class TwoDeviceModel(nn.Module):
         return self.back(self.front(inputs.to(self.first)).to(self.second))
 
 
-def apply_mp(model: nn.Module, *, device: torch.device) -> nn.Module:
+def apply_mp(model: nn.Module, *, device: torch.device) -> Placement:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus < 2 or not isinstance(model, nn.Sequential):
         raise RuntimeError(f"strategy 'mp' needs an mlp model and 2 CUDA GPUs on the node; this worker sees {gpus}")
-    return TwoDeviceModel(model, torch.device("cuda:0"), torch.device("cuda:1"))
+    first, second = torch.device("cuda:0"), torch.device("cuda:1")
+    return Placement(TwoDeviceModel(model, first, second), first, second)
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds: the whole model under DDP, its shard under FSDP."""
+    total = 0
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        total += local.numel() * local.element_size()
+    return total

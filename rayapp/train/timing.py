@@ -1,7 +1,11 @@
-"""Timing for the training loop.
+"""Timing for the training loop, honest about asynchronous devices without stalling them.
 
-Every clock read that closes a GPU phase synchronises the device first: CUDA kernels run
-asynchronously, so without the sync the clock measures launch time, not work.
+CUDA kernels run asynchronously: a host clock read after a launch measures the launch, not the
+work, and synchronising the device to read it would stop the host from queuing the next step
+while the GPU works. So on GPUs a phase is timed with CUDA events recorded into the stream
+around it, and the events are read once, when the epoch ends (the one sync point per epoch).
+Waiting for data is a host-side phase (the loader, the copy launch) and is timed with the host
+clock, without a sync. On CPUs every phase is timed with the host clock.
 """
 
 from __future__ import annotations
@@ -18,25 +22,54 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Stopwatch:
-    """Accumulates the durations of repeated phases (data loading, compute) within one epoch."""
+class HostTimer:
+    """Accumulates the host-clock durations of a repeated phase within one epoch."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self.total_s = 0.0
+    def __init__(self) -> None:
+        self._total_s = 0.0
         self._started: float | None = None
 
     def start(self) -> None:
-        synchronize(self._device)
         self._started = time.perf_counter()
 
     def stop(self) -> None:
-        synchronize(self._device)
-        self.total_s += time.perf_counter() - self._started
-        self._started = None
+        if self._started is not None:
+            self._total_s += time.perf_counter() - self._started
+            self._started = None
 
-    def reset(self) -> None:
-        self.total_s = 0.0
+    def total_s(self) -> float:
+        return self._total_s
+
+
+class DeviceTimer(HostTimer):
+    """A repeated phase of device work: CUDA events around it on GPUs, the host clock on CPUs.
+
+    total_s() reads the events, which waits for the last one: call it at the epoch's end."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> None:
+        if not self._cuda:
+            return super().start()
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        self._events.append((begin, torch.cuda.Event(enable_timing=True)))
+
+    def stop(self) -> None:
+        if not self._cuda:
+            return super().stop()
+        if self._events:
+            self._events[-1][1].record()
+
+    def total_s(self) -> float:
+        if not self._cuda:
+            return super().total_s()
+        if self._events:
+            self._events[-1][1].synchronize()
+        return sum(begin.elapsed_time(end) for begin, end in self._events) / 1000.0
 
 
 class DdpCommClock:

@@ -1,0 +1,108 @@
+"""The Ray side of a submission: the cluster the job runs on and the queue its progress comes back by."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator, Optional
+
+from rayapp.driver.trainer import local_gpus
+from rayapp.errors import RayappError
+from rayapp.launch.cluster import EmbeddedCluster
+from rayapp.spec import JobSpec
+
+ProgressCallback = Callable[[dict], None]
+
+
+def first_line(exc: BaseException) -> str:
+    """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person needs."""
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
+
+
+@contextlib.contextmanager
+def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
+                runtime_env: Optional[dict] = None) -> Iterator[str]:
+    """Connect to spec.cluster.address, or start and finally stop an embedded cluster; yields its label.
+
+    runtime_env is the job's (the user's code as working_dir): Ray uploads it once, here, and every
+    worker of the job runs in it."""
+    import ray
+
+    address = spec.cluster.address
+    try:
+        if address:
+            status(f"connecting to Ray cluster at {address}")
+            try:
+                ray.init(address=address, log_to_driver=verbose, logging_level="ERROR" if not verbose else "INFO",
+                         runtime_env=runtime_env)
+            except Exception as exc:  # ConnectionError, timeouts, bad scheme
+                raise RayappError(f"cannot connect to Ray cluster at {address!r}: {first_line(exc)}") from None
+            yield address
+            return
+        cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
+        status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
+        with EmbeddedCluster(
+            nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node, gpus_per_node=local_gpus() // spec.cluster.nodes
+        ) as cluster:
+            cluster.prepare_client()
+            try:
+                ray.init(
+                    address=cluster.address,
+                    _node_ip_address=cluster.head_ip,
+                    log_to_driver=verbose,
+                    logging_level="ERROR" if not verbose else "INFO",
+                    runtime_env=runtime_env,
+                )
+            except Exception as exc:
+                raise RayappError(
+                    f"cannot connect to the embedded Ray cluster at {cluster.address}: {first_line(exc)}; "
+                    f"node logs are in {cluster.log_dir}"
+                ) from None
+            cluster.wait_for_nodes()
+            try:
+                yield "local"
+            finally:
+                ray.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
+    """A Ray queue that rank 0 fills; a driver thread drains it into on_progress."""
+    if on_progress is None:
+        yield None
+        return
+    from ray.util.queue import Queue
+
+    # num_cpus=0: the queue must never compete with training workers for a CPU slot.
+    queue = Queue(actor_options={"num_cpus": 0})
+    done = "rayapp-progress-done"
+
+    def drain() -> None:
+        # One blocking get at a time rather than polling with a timeout: on a small machine
+        # every needless call into the queue actor takes CPU from the training workers.
+        while True:
+            try:
+                item = queue.get(block=True)
+            except Exception:  # the queue actor is gone (cluster shutting down)
+                return
+            if item == done:
+                return
+            on_progress(item)
+
+    thread = threading.Thread(target=drain, name="rayapp-progress", daemon=True)
+    thread.start()
+    try:
+        yield queue
+    finally:
+        # Put after everything rank 0 put, so the drain shows every epoch before it stops.
+        with contextlib.suppress(Exception):
+            queue.put(done, timeout=5)
+        thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            queue.shutdown()

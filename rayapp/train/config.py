@@ -1,0 +1,26 @@
+"""What the driver hands each worker: the spec and where its run is, pickled once per worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rayapp.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: JobSpec
+    run_id: str
+    tracking_uri: str
+    submitted_at: float
+    """Driver wall clock at submission, for time_to_first_step_s."""
+    fallback_path: str = ""
+    """Where rank 0 writes MLflow records the tracking server could not take by the end."""
+    progress: Any = None
+    """A ray.util.queue.Queue that rank 0 feeds with per-epoch progress and warnings, or None."""
+
+    def tell(self, message: str) -> None:
+        """A warning for the person at the submitting terminal."""
+        if self.progress is not None:
+            self.progress.put_nowait({"message": message})

@@ -1,0 +1,290 @@
+"""The training context: what rayapp gives a training loop on each worker.
+
+rayapp's built-in loop (:mod:`rayapp.train.loop`) and users' own loops (``train.loop:
+"mytrain:train_loop"``) are written against the same object, so both get, without extra code:
+the job's strategy applied to the model, sharded loaders, an epoch iterator that resumes after
+a restart and skips epochs already done, phase timers that feed the standard per-epoch metrics,
+one checkpoint per epoch through Ray Train, and logging into the job's one MLflow run with every
+epoch logged exactly once. A loop looks like this::
+
+    def train_loop(ctx: TrainContext) -> None:
+        model = ctx.prepare(MyModel(**ctx.args))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.spec.train.lr)
+        loader = ctx.loader(my_dataset)
+        for epoch in ctx.epochs(model, optimizer):
+            for inputs, targets in ctx.batches(loader):
+                with ctx.compute():
+                    optimizer.zero_grad()
+                    loss = F.cross_entropy(model(inputs), targets)
+                    loss.backward()
+                    optimizer.step()
+            ctx.log_epoch({"loss": ctx.mean(loss)})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from rayapp.spec import JobSpec
+from rayapp.train import checkpoint, collectives
+from rayapp.train.config import WorkerConfig
+from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
+from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
+from rayapp.tracking.logger import NullLogger
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
+
+
+class TrainContext:
+    """One worker's view of the job. Every rank runs the loop; only rank 0 writes to MLflow."""
+
+    def __init__(self, config: WorkerConfig, logger: NullLogger, *, rank: int, world_size: int,
+                 local_rank: int, device: torch.device, loop_started: float) -> None:
+        self.config = config
+        self.spec: JobSpec = config.spec
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = device
+        self.logger = logger
+        self._loop_started = loop_started
+        self._placement: Optional[Placement] = None
+        self._comm_clock: Optional[DdpCommClock] = None
+        self._samplers: list[DistributedSampler] = []
+        self._epoch: Optional[int] = None
+        self._epoch_metrics: dict[str, float] = {}
+        self._history: list[dict] = []
+        self._last_state: Optional[dict] = None
+        self._attempt = 1
+        self._first_step_logged = False
+        self._global_step = 0
+        self._reset_epoch_clocks()
+
+    # ---- what a loop reads ------------------------------------------------------------
+
+    @property
+    def args(self) -> Mapping[str, Any]:
+        """The job's own arguments (``train.args`` in the job YAML)."""
+        return getattr(self.spec.train, "args", None) or {}
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0: the one rank that writes to MLflow and prints progress."""
+        return self.rank == 0
+
+    @property
+    def epoch(self) -> Optional[int]:
+        return self._epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far in this attempt's epochs (counted by :meth:`compute`)."""
+        return self._global_step
+
+    @property
+    def input_device(self) -> torch.device:
+        return self._placement.input_device if self._placement else self.device
+
+    @property
+    def output_device(self) -> torch.device:
+        return self._placement.output_device if self._placement else self.device
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this worker's device."""
+        self._placement = apply_strategy(self.spec, model, self.device)
+        self._comm_clock = DdpCommClock(self._placement.model)  # NaN for strategies without DDP's reducer
+        return self._placement.model
+
+    def loader(self, dataset: Dataset, *, batch_size: Optional[int] = None, shuffle: bool = True,
+               **loader_kwargs: Any) -> DataLoader:
+        """This rank's shard of `dataset` (DistributedSampler, reshuffled each epoch by :meth:`epochs`),
+        in batches of `batch_size` (default: the job's per-worker batch); every rank takes the same
+        number of steps (the last incomplete batch is dropped)."""
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                     seed=self.spec.train.seed, drop_last=True)
+        self._samplers.append(sampler)
+        return DataLoader(dataset, batch_size=batch_size or self.spec.batch_size_per_worker, sampler=sampler,
+                          drop_last=True, pin_memory=self.device.type == "cuda", **loader_kwargs)
+
+    # ---- the epoch loop ---------------------------------------------------------------
+
+    def epochs(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+               **stateful: Any) -> Iterator[int]:
+        """The epochs left to train: resumes `model`, `optimizer` and any other `stateful` object
+        (anything with state_dict/load_state_dict, e.g. an LR scheduler) from the last checkpoint
+        after a restart. After each epoch's body it takes the timings, logs the epoch once, and
+        checkpoints."""
+        start = self._resume(model, optimizer, stateful)
+        for epoch in range(start, self.spec.train.epochs):
+            self._start_epoch(epoch)
+            yield epoch
+            self._end_epoch(model, optimizer, stateful)
+        if start >= self.spec.train.epochs:  # resumed after the last epoch's checkpoint: nothing trained here
+            self._last_state = checkpoint.full_state(model, optimizer, stateful)  # a collective under FSDP
+        self._epoch = None
+        self._model_for_finish = model
+
+    def batches(self, loader: Iterable) -> Iterator[Any]:
+        """Batches of `loader` moved to the model's devices (inputs to where the model takes them,
+        the last tensor, the target, to where the loss is taken), with the wait timed as
+        ``data_time_s``. The epoch's clock (``epoch_time_s``) stops when the loader is exhausted,
+        so evaluation after the step loop is not counted as training time."""
+        iterator = iter(loader)
+        while True:
+            self._data_timer.start()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._data_timer.stop()
+                break
+            batch = self._to_devices(batch)
+            self._data_timer.stop()
+            self._samples += _batch_size(batch)
+            yield batch
+        if self._epoch_stopped is None:
+            synchronize(self.device)
+            self._epoch_stopped = time.perf_counter()
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Times one training step (forward, backward, optimizer step) as ``compute_time_s``."""
+        self._compute_timer.start()
+        yield
+        self._compute_timer.stop()
+        if self._comm_clock is not None:
+            self._comm_clock.step_finished()
+        self._global_step += 1
+        if not self._first_step_logged:
+            self._first_step_logged = True
+            self.logger.log_metrics({"time_to_first_step_s": time.time() - self.config.submitted_at})
+
+    # ---- logging ----------------------------------------------------------------------
+
+    def mean(self, value: torch.Tensor | float) -> float:
+        """The mean of a per-rank value over all ranks (a collective: every rank must call it)."""
+        return collectives.mean_over_ranks(value, self.device)
+
+    def log_epoch(self, metrics: Mapping[str, float]) -> None:
+        """Metrics of the current epoch (rank 0's values are logged); they go to MLflow with the
+        standard timings when the epoch ends, at step = epoch."""
+        self._epoch_metrics.update({key: float(value) for key, value in metrics.items()})
+
+    def log_step(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Step-level metrics (rank 0's) at `step`, default the global step."""
+        self.logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=self._global_step if step is None else step)
+
+    def tell(self, message: str) -> None:
+        """A warning for the person at the submitting terminal (rank 0's)."""
+        if self.is_chief:
+            self.config.tell(message)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _resume(self, model: nn.Module, optimizer, stateful: Mapping[str, Any]) -> int:
+        start, self._history = 0, []
+        restored = checkpoint.latest()
+        if restored is not None:
+            state, saved = restored
+            checkpoint.load_full_state(model, optimizer, stateful, state)
+            start, self._history = saved["epoch"] + 1, saved["history"]
+        # Counted in the run itself, so a restart before the first checkpoint counts too.
+        self._attempt = self.logger.previous_attempts() + 1
+        self._first_step_logged = self._attempt > 1  # time to first step is the first attempt's
+        self._record_placement()
+        # After a restart each epoch is logged once: epochs checkpointed whose metrics never reached
+        # MLflow are logged from the checkpoint; epochs logged but not checkpointed (the failure came
+        # between the two) are re-run from the checkpoint, deterministically, and not logged again.
+        self._already_logged = self.logger.logged_epochs() if self._attempt > 1 else set()
+        for epoch, metrics in enumerate(self._history):
+            if epoch not in self._already_logged:
+                self.logger.log_epoch(epoch, metrics)
+        return start
+
+    def _record_placement(self) -> None:
+        placed = collectives.placements(self.world_size)
+        self.logger.set_tags({
+            TAG_NODE_IDS: ",".join(node_id for node_id, _ in placed),
+            TAG_NODE_IPS: ",".join(ip for _, ip in placed),
+            TAG_ATTEMPTS: str(self._attempt),
+        })
+        nodes_used = len({node_id for node_id, _ in placed})
+        if nodes_used != self.spec.cluster.nodes:
+            # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
+            self.tell(f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
+                      "per-node figures in this run do not describe that many nodes")
+
+    def _reset_epoch_clocks(self) -> None:
+        self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
+        self._compute_timer = DeviceTimer(self.device)
+        self._samples = 0
+        self._epoch_stopped: Optional[float] = None
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch, self._epoch_metrics = epoch, {}
+        for sampler in self._samplers:
+            sampler.set_epoch(epoch)
+        self._reset_epoch_clocks()
+        if self._comm_clock is not None:
+            self._comm_clock.take_total_s()  # drop anything recorded outside this epoch
+        synchronize(self.device)
+        self._epoch_started = time.perf_counter()
+
+    def _end_epoch(self, model: nn.Module, optimizer, stateful: Mapping[str, Any]) -> None:
+        if self._epoch_stopped is None:
+            synchronize(self.device)
+            self._epoch_stopped = time.perf_counter()
+        epoch_time = self._epoch_stopped - self._epoch_started
+        comm_time = self._comm_clock.take_total_s() if self._comm_clock is not None else math.nan
+        # -- timing: the slowest rank's; samples: all ranks'
+        epoch_time, compute_time, data_time, comm_time, peak_mem = collectives.max_over_ranks(
+            [epoch_time, self._compute_timer.total_s(), self._data_timer.total_s(), comm_time,
+             collectives.peak_memory_mb(self.device)], self.device)
+        samples = collectives.sum_over_ranks(self._samples, self.device)
+        metrics = {
+            **self._epoch_metrics,  # the loop's own (loss, test_accuracy, ...)
+            "epoch_time_s": epoch_time,
+            "samples_per_s": samples / epoch_time if epoch_time > 0 else 0.0,
+            "compute_time_s": compute_time,
+            "comm_time_s": comm_time,
+            "data_time_s": data_time,
+            "peak_mem_mb": peak_mem,
+        }
+        epoch = self._epoch
+        self._history.append(metrics)
+        # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
+        self._last_state = checkpoint.full_state(model, optimizer, stateful)
+        checkpoint.report_epoch(self._last_state, epoch=epoch, history=self._history,
+                                run_id=self.config.run_id, rank=self.rank)
+        if epoch not in self._already_logged:
+            self.logger.log_epoch(epoch, metrics)
+        if self.is_chief and self.config.progress is not None:
+            self.config.progress.put_nowait({"epoch": epoch, **metrics})
+
+    def final_model_state(self) -> Optional[dict]:
+        """The full model state of the last checkpoint (for the model artifact), if any epoch ran."""
+        return self._last_state["model"] if self._last_state else None
+
+    def parameter_bytes(self) -> int:
+        model = self._placement.model if self._placement else getattr(self, "_model_for_finish", None)
+        return local_parameter_bytes(model) if model is not None else 0
+
+    def _to_devices(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.input_device, non_blocking=True)
+        if isinstance(batch, (list, tuple)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+            *inputs, target = batch
+            moved = [t.to(self.input_device, non_blocking=True) for t in inputs]
+            moved.append(target.to(self.output_device, non_blocking=True))
+            return type(batch)(moved) if isinstance(batch, tuple) else moved
+        return batch
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0
