@@ -59,6 +59,10 @@ OVERRIDES: tuple[Override, ...] = (
     Override("--storage-path", "cluster.storage_path", str, "Checkpoint storage, shared on real clusters."),
     Override("--max-failures", "cluster.max_failures", int, "Worker failures to recover from."),
     Override("--cpus-per-worker", "cluster.cpus_per_worker", int, "CPUs reserved per worker."),
+    Override("--working-dir", "cluster.working_dir", str,
+             "Directory of your code, shipped to every worker; default: the job file's directory."),
+    Override("--script", "train.script", str,
+             "Run this torchrun-style script on every worker instead of a loop; its arguments follow --."),
 )
 BY_FLAG: Mapping[str, Override] = {row.flag: row for row in OVERRIDES}
 BY_DEST: Mapping[str, Override] = {row.dest: row for row in OVERRIDES}

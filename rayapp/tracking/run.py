@@ -70,7 +70,7 @@ def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
         "optimizer": spec.train.optimizer,
         "loss": spec.loss,
         "model": spec.model.factory or (spec.model.kind + (f"{list(spec.model.hidden)}" if spec.model.hidden else "")),
-        "data": spec.data.factory or spec.data.kind,
+        "data": spec.data.factory or spec.data.kind,  # what the built-in loop trains; a user's loop builds its own
         # A user's data set is sized when built; rank 0 logs the figures as metrics then.
         "steps_per_epoch": str(spec.steps_per_epoch) if spec.steps_per_epoch is not None else "auto",
         "train_samples": str(spec.num_train_samples) if spec.num_train_samples is not None else "auto",

@@ -128,7 +128,6 @@ class TrainContext:
         if start >= self.spec.train.epochs:  # resumed after the last epoch's checkpoint: nothing trained here
             self._last_state = checkpoint.full_state(model, optimizer, stateful)  # a collective under FSDP
         self._epoch = None
-        self._model_for_finish = model
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """Batches of `loader` moved to the model's devices (inputs to where the model takes them,
@@ -270,9 +269,14 @@ class TrainContext:
         """The full model state of the last checkpoint (for the model artifact), if any epoch ran."""
         return self._last_state["model"] if self._last_state else None
 
+    @property
+    def prepared(self) -> bool:
+        """Whether the loop gave rayapp its model (:meth:`prepare`)."""
+        return self._placement is not None
+
     def parameter_bytes(self) -> int:
-        model = self._placement.model if self._placement else getattr(self, "_model_for_finish", None)
-        return local_parameter_bytes(model) if model is not None else 0
+        """Bytes of parameters this rank holds (its shard under FSDP)."""
+        return local_parameter_bytes(self._placement.model) if self._placement else 0
 
     def _to_devices(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):

@@ -105,8 +105,10 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
     """End-of-run records: final metrics, the full model and the resolved spec as artifacts."""
     spec, logger = ctx.spec, ctx.logger
     last_epoch = spec.train.epochs - 1
-    logger.log_metrics({"total_time_s": time.perf_counter() - loop_started,
-                        "param_bytes_per_rank": ctx.parameter_bytes()}, step=last_epoch)
+    finals = {"total_time_s": time.perf_counter() - loop_started}
+    if ctx.prepared:  # a script trains in its own process: rayapp holds no model to measure
+        finals["param_bytes_per_rank"] = ctx.parameter_bytes()
+    logger.log_metrics(finals, step=last_epoch)
     if ctx.is_chief:
         with tempfile.TemporaryDirectory() as directory:
             model_state = ctx.final_model_state()

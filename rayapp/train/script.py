@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -34,8 +35,11 @@ def script_loop(ctx: TrainContext) -> None:
     master = _rendezvous(ctx)
     env = {**os.environ, **torchrun_env(ctx, *master),
            "MLFLOW_TRACKING_URI": ctx.config.tracking_uri, "MLFLOW_RUN_ID": ctx.config.run_id}
+    script = find_script(spec.train.script)
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, spec.train.script, *spec.train.script_args], env=env,
+    # In the working dir, as torchrun runs a script where it was launched: relative paths the
+    # script opens resolve as they did on the submitting machine.
+    child = subprocess.Popen([sys.executable, str(script), *spec.train.script_args], env=env, cwd=script.parent,
                              stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_die_with_parent)
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES_KEPT)
     reader = threading.Thread(target=_tee_stderr, args=(child, tail), daemon=True)
@@ -54,6 +58,16 @@ def script_loop(ctx: TrainContext) -> None:
         said = " | ".join(line.strip() for line in lines if line.strip()) or "no stderr output"
         raise RuntimeError(f"{spec.train.script} exited with code {c} on rank {rank}"
                            f"{f' (and {len(failed) - 1} other rank(s))' if len(failed) > 1 else ''}: {said}")
+
+
+def find_script(relative: str) -> Path:
+    """The script in the job's unpacked working dir. Ray Train runs workers in the run's storage
+    directory, not there, but puts the working dir on sys.path."""
+    for entry in [os.getcwd(), *sys.path]:
+        candidate = Path(entry or ".", relative)
+        if candidate.is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(f"{relative} is not in the job's working directory on this node")
 
 
 def torchrun_env(ctx: TrainContext, master_addr: str, master_port: int) -> dict[str, str]:
