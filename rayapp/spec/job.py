@@ -8,58 +8,26 @@ defaults < job YAML < command-line flags.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
+from rayapp.spec.checks import (
+    check_import_path,
+    check_mapping,
+    check_one_of,
+    check_one_source,
+    check_positive_int,
+    check_positive_number,
+    check_bool,
+    is_import_path,
+)
 from rayapp.spec.errors import SpecError
 
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 SCALINGS = ("strong", "weak")
-
-
-def _one_of(field_name: str, value: object, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use one of: {', '.join(accepted)}")
-
-
-def _positive_int(field_name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use a whole number >= 1")
-
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-
-
-def is_import_path(value: object) -> bool:
-    """``package.module:function``, the form users name their own builders and loops in."""
-    return isinstance(value, str) and bool(_IMPORT_PATH.match(value))
-
-
-def _import_path(field_name: str, value: object) -> None:
-    if value is not None and not is_import_path(value):
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use an import path module:function, e.g. mymodels:build")
-
-
-def _mapping(field_name: str, value: object) -> None:
-    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-        raise SpecError(
-            f"{field_name}: {value!r} is not accepted; use a mapping of keyword arguments, e.g. {{hidden: 48}}"
-        )
-
-
-def _one_source(section: str, kind: object, factory: object) -> None:
-    if kind is not None and factory is not None:
-        raise SpecError(
-            f"{section}.factory: {factory!r} is not accepted together with {section}.kind {kind!r}; "
-            f"give one of them: kind for a built-in, factory for your own"
-        )
-
-
-def _positive_number(field_name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use a number > 0")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_FORMATS = ("dcp", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +44,9 @@ class ModelSpec:
     """Keyword arguments for `factory`."""
 
     def __post_init__(self) -> None:
-        _one_source("model", self.kind, self.factory)
-        _import_path("model.factory", self.factory)
-        _mapping("model.args", self.args)
+        check_one_source("model", self.kind, self.factory)
+        check_import_path("model.factory", self.factory)
+        check_mapping("model.args", self.args)
         if self.factory is not None:
             if self.hidden:
                 raise SpecError("model.hidden: only for built-in models; pass your factory's sizes in model.args")
@@ -91,7 +59,7 @@ class ModelSpec:
         if not isinstance(self.hidden, tuple):
             raise SpecError(f"model.hidden: {self.hidden!r} is not accepted; use a list of widths, e.g. [256, 256]")
         for width in self.hidden:
-            _positive_int("model.hidden[]", width)
+            check_positive_int("model.hidden[]", width)
         hidden_rule = MODELS.get(self.kind).meta.get("hidden")
         if hidden_rule == "required" and not self.hidden:
             raise SpecError(f"model.hidden: [] is not accepted for kind {self.kind}; give at least one width, e.g. [256]")
@@ -120,11 +88,16 @@ class DataSpec:
     called with `args`. Each worker shards it with a DistributedSampler."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for `factory`."""
+    loader_workers: int = 0
+    """DataLoader worker processes per training worker; 0 loads in the training process (best for
+    in-memory tensors, which rayapp fetches a whole batch at a time)."""
 
     def __post_init__(self) -> None:
-        _one_source("data", self.kind, self.factory)
-        _import_path("data.factory", self.factory)
-        _mapping("data.args", self.args)
+        if isinstance(self.loader_workers, bool) or not isinstance(self.loader_workers, int) or self.loader_workers < 0:
+            raise SpecError(f"data.loader_workers: {self.loader_workers!r} is not accepted; use a whole number >= 0")
+        check_one_source("data", self.kind, self.factory)
+        check_import_path("data.factory", self.factory)
+        check_mapping("data.args", self.args)
         if self.factory is None and self.args:
             raise SpecError(f"data.args: {self.args!r} is only for data.factory")
         if self.factory is None and self.kind is None:
@@ -132,7 +105,7 @@ class DataSpec:
         if self.kind is not None:
             DATASETS.check(self.kind)
         for name in ("features", "targets", "steps_per_epoch", "num_samples"):
-            _positive_int(f"data.{name}", getattr(self, name))
+            check_positive_int(f"data.{name}", getattr(self, name))
 
     @property
     def _meta(self) -> dict:
@@ -178,6 +151,15 @@ class TrainSpec:
     """A torchrun-style script each worker runs in a child process (``rayapp submit --script``)."""
     script_args: tuple[str, ...] = ()
     """Command-line arguments for the script (what follows ``--`` on the command line)."""
+    precision: str = "fp32"
+    """`fp32`, or mixed precision: `bf16` (autocast, GPUs and CPUs) or `fp16` (autocast with a
+    GradScaler; GPUs only). Under FSDP, the parameters' compute dtype too (MixedPrecisionPolicy)."""
+    compile: bool = False
+    """torch.compile the model before the strategy wraps it."""
+    grad_accum_steps: int = 1
+    """Micro-batches whose gradients add up before each optimizer step."""
+    grad_clip: Optional[float] = None
+    """Clip the gradients' global norm to this before each optimizer step; none: no clipping."""
     seed: int = 0
     scaling: str = "weak"
     """`weak`: each worker keeps its own batch and steps (the article's loop); `strong`: a fixed
@@ -187,28 +169,33 @@ class TrainSpec:
     GPUs of one node, one process) or `mp` (the model's layers split across two GPUs, one process)."""
 
     def __post_init__(self) -> None:
-        _positive_int("train.epochs", self.epochs)
-        _positive_number("train.lr", self.lr)
+        check_positive_int("train.epochs", self.epochs)
+        check_positive_number("train.lr", self.lr)
         if not is_import_path(self.optimizer):
             OPTIMIZERS.check(self.optimizer)
         if self.loss is not None and not is_import_path(self.loss):
             LOSSES.check(self.loss)
-        _import_path("train.loop", self.loop)
-        _mapping("train.args", self.args)
+        check_import_path("train.loop", self.loop)
+        check_mapping("train.args", self.args)
         if self.script is not None and (not isinstance(self.script, str) or not self.script.strip()):
             raise SpecError(f"train.script: {self.script!r} is not accepted; use the path of a Python script")
         if self.script is not None and self.loop is not None:
             raise SpecError("train.script and train.loop: give one; a script runs instead of any loop")
+        check_one_of("train.precision", self.precision, PRECISIONS)
+        check_bool("train.compile", self.compile)
+        check_positive_int("train.grad_accum_steps", self.grad_accum_steps)
+        if self.grad_clip is not None:
+            check_positive_number("train.grad_clip", self.grad_clip)
         if not isinstance(self.script_args, tuple) or not all(isinstance(a, str) for a in self.script_args):
             raise SpecError(f"train.script_args: {self.script_args!r} is not accepted; use a list of strings")
-        _one_of("train.scaling", self.scaling, SCALINGS)
+        check_one_of("train.scaling", self.scaling, SCALINGS)
         STRATEGIES.check(self.strategy)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise SpecError(f"train.seed: {self.seed!r} is not accepted; use a whole number >= 0")
         if self.scaling == "weak":
             if self.batch_size is None:
                 raise SpecError("train.batch_size: missing; weak scaling needs a per-worker batch size, e.g. 64")
-            _positive_int("train.batch_size", self.batch_size)
+            check_positive_int("train.batch_size", self.batch_size)
             if self.global_batch_size is not None:
                 raise SpecError(
                     f"train.global_batch_size: {self.global_batch_size!r} is not accepted with scaling weak "
@@ -217,7 +204,7 @@ class TrainSpec:
         else:
             if self.global_batch_size is None:
                 raise SpecError("train.global_batch_size: missing; strong scaling needs a fixed global batch, e.g. 512")
-            _positive_int("train.global_batch_size", self.global_batch_size)
+            check_positive_int("train.global_batch_size", self.global_batch_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,10 +226,10 @@ class ClusterSpec:
     from it; none: the job file's directory when the job names your code, else nothing."""
 
     def __post_init__(self) -> None:
-        _positive_int("cluster.nodes", self.nodes)
-        _positive_int("cluster.workers_per_node", self.workers_per_node)
-        _positive_int("cluster.cpus_per_worker", self.cpus_per_worker)
-        _one_of("cluster.backend", self.backend, BACKENDS)
+        check_positive_int("cluster.nodes", self.nodes)
+        check_positive_int("cluster.workers_per_node", self.workers_per_node)
+        check_positive_int("cluster.cpus_per_worker", self.cpus_per_worker)
+        check_one_of("cluster.backend", self.backend, BACKENDS)
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
             raise SpecError(f"cluster.max_failures: {self.max_failures!r} is not accepted; use a whole number >= 0")
         if not isinstance(self.storage_path, str) or not self.storage_path:
@@ -262,10 +249,33 @@ class TrackingSpec:
     experiment: str = "rayapp"
     tracking_uri: Optional[str] = None
     """MLflow tracking URI; none: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+    log_every_steps: int = 0
+    """Log step_loss and step_samples_per_s every N optimizer steps (step = global step); 0: off."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.log_every_steps, bool) or not isinstance(self.log_every_steps, int) or self.log_every_steps < 0:
+            raise SpecError(f"tracking.log_every_steps: {self.log_every_steps!r} is not accepted; "
+                            "use a whole number >= 0 (0 turns step-level metrics off)")
         if not isinstance(self.experiment, str) or not self.experiment.strip():
             raise SpecError(f"tracking.experiment: {self.experiment!r} is not accepted; use a non-empty name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    every_epochs: int = 1
+    """Checkpoint after every K-th epoch, and always after the last."""
+    format: str = "dcp"
+    """`dcp`: torch.distributed.checkpoint, each rank writes its own shard (.distcp files) and
+    resume may change the world size; `full`: rank 0 saves the gathered state dict (state.pt)."""
+    async_save: bool = False
+    """(YAML key `async`) DCP only: write in the background while the next epoch trains."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("checkpoint.every_epochs", self.every_epochs)
+        check_one_of("checkpoint.format", self.format, CHECKPOINT_FORMATS)
+        check_bool("checkpoint.async", self.async_save)
+        if self.async_save and self.format != "dcp":
+            raise SpecError("checkpoint.async: true is not accepted with format full; use format: dcp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +286,7 @@ class JobSpec:
     train: TrainSpec = field(default_factory=TrainSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():

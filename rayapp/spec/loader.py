@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from rayapp.spec.job import ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
+from rayapp.spec.job import CheckpointSpec, ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
@@ -17,7 +17,10 @@ SECTIONS: dict[str, type] = {
     "train": TrainSpec,
     "cluster": ClusterSpec,
     "tracking": TrackingSpec,
+    "checkpoint": CheckpointSpec,
 }
+YAML_ALIASES = {"checkpoint": {"async": "async_save"}}
+"""Job-file keys that are Python keywords, and the fields they fill."""
 TOP_LEVEL_KEYS = ("name", "description", *SECTIONS)
 STORAGE_PATH_ENV = "RAYAPP_STORAGE_PATH"
 """Default for cluster.storage_path when the job does not set it (below flags and the job YAML)."""
@@ -25,6 +28,12 @@ STORAGE_PATH_ENV = "RAYAPP_STORAGE_PATH"
 
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _yaml_keys(section: str, cls: type) -> tuple[str, ...]:
+    """The keys a job file may use in a section: the field names, keywords under their YAML alias."""
+    to_yaml = {field: key for key, field in YAML_ALIASES.get(section, {}).items()}
+    return tuple(to_yaml.get(name, name) for name in _field_names(cls))
 
 
 def read_job_yaml(path: str | Path) -> dict[str, Any]:
@@ -60,12 +69,13 @@ def parse_job_yaml(text: str, *, source: str = "<job>") -> dict[str, Any]:
 def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dict[str, Any]:
     values = document.get(section) or {}
     if not isinstance(values, dict):
-        raise SpecError(f"{section}: {values!r} is not accepted; use a mapping of {', '.join(_field_names(cls))}")
-    accepted = _field_names(cls)
+        raise SpecError(f"{section}: {values!r} is not accepted; use a mapping of {', '.join(_yaml_keys(section, cls))}")
+    accepted = _yaml_keys(section, cls)
     for key in values:
         if key not in accepted:
             raise SpecError(f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
-    values = dict(values)
+    aliases = YAML_ALIASES.get(section, {})
+    values = {aliases.get(key, key): value for key, value in values.items()}
     for key in ("hidden", "script_args"):  # YAML lists; the frozen spec keeps tuples
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])

@@ -9,10 +9,10 @@ be declared in one place and mapped in another.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from rayapp.spec.catalog import STRATEGIES
-from rayapp.spec.job import BACKENDS, SCALINGS
+from rayapp.spec.job import BACKENDS, PRECISIONS, SCALINGS
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ OVERRIDES: tuple[Override, ...] = (
     Override("--storage-path", "cluster.storage_path", str, "Checkpoint storage, shared on real clusters."),
     Override("--max-failures", "cluster.max_failures", int, "Worker failures to recover from."),
     Override("--cpus-per-worker", "cluster.cpus_per_worker", int, "CPUs reserved per worker."),
+    Override("--precision", "train.precision", str, f"{_choices(PRECISIONS)}; bf16/fp16 train in mixed precision."),
+    Override("--checkpoint-every", "checkpoint.every_epochs", int,
+             "Checkpoint after every K-th epoch (and always after the last)."),
+    Override("--log-every-steps", "tracking.log_every_steps", int, "Log step_loss every N steps; 0: off."),
     Override("--working-dir", "cluster.working_dir", str,
              "Directory of your code, shipped to every worker; default: the job file's directory."),
     Override("--script", "train.script", str,

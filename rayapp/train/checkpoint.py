@@ -1,82 +1,131 @@
-"""Checkpoints through Ray Train: model and optimizer state plus the epoch history, once per epoch.
+"""Checkpoints through Ray Train: model, optimizer and extra state plus the epoch history.
 
-Every rank reports once per epoch (Ray Train requires equal counts); rank 0 attaches the
-checkpoint. Beside the state dict each checkpoint holds ``history.json`` (the run id, the epoch
-and every epoch's metrics so far), which resume and the driver's backfill read without torch.
+Two formats (checkpoint.format):
+
+- ``dcp`` (default): torch.distributed.checkpoint. Each rank writes only what it holds (its
+  FSDP shard; DDP's replicated tensors once, by rank 0) as ``.distcp`` files into a local
+  directory and reports it; Ray Train merges every rank's files into one checkpoint directory
+  in storage. Loading reshards, so a job may resume on a different world size.
+- ``full``: every rank gathers the full state dict to CPU and rank 0 saves ``state.pt``: simple,
+  one file, but every rank holds the whole model and optimizer state for a moment.
+
+Beside the state each checkpoint holds ``history.json`` (the run id, the epoch and every epoch's
+metrics so far), which resume and the driver's backfill read without torch. Every rank reports
+once per epoch (Ray Train requires equal counts), with or without a checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
+from rayapp.spec import JobSpec
 from rayapp.tracking.backfill import read_history, write_history
 
 CHECKPOINT_FILE = "state.pt"
+DCP_METADATA = ".metadata"
 
 
-def full_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Mapping[str, Any]) -> dict:
-    """Full (unsharded) model and optimizer state on CPU, and the state of extra objects (a
-    scheduler, a scaler); a collective under FSDP, so every rank calls it."""
+def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, full: bool) -> tuple[dict, dict]:
+    """Model and optimizer state: full and on CPU, or as each rank holds it (a collective under FSDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optimizers = [optimizer] if optimizer is not None else []
-    model_state, optim_state = get_state_dict(model, optimizers, options=options)
-    return {
-        "model": model_state,
-        "optimizer": optim_state if optimizer is not None else {},
-        "extra": {name: obj.state_dict() for name, obj in extra.items()},
-    }
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=options)
+    return model_state, (optim_state if optimizer is not None else {})
 
 
-def load_full_state(
-    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Mapping[str, Any], state: dict
-) -> None:
+def full_model_state(model: nn.Module) -> dict:
+    """The whole model's state dict on CPU, for the model artifact (a collective under FSDP)."""
+    return _state_dicts(model, None, full=True)[0]
+
+
+def save(spec: JobSpec, directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any], *, rank: int) -> None:
+    """Write this rank's part of the checkpoint into `directory` (a collective)."""
+    extra_state = {name: obj.state_dict() for name, obj in extra.items()}
+    if spec.checkpoint.format == "full":
+        model_state, optim_state = _state_dicts(model, optimizer, full=True)
+        if rank == 0:
+            torch.save({"model": model_state, "optimizer": optim_state, "extra": extra_state},
+                       os.path.join(directory, CHECKPOINT_FILE))
+        return
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = _state_dicts(model, optimizer, full=False)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+    if rank == 0 and extra_state:  # schedulers and scalers: small, the same on every rank
+        torch.save(extra_state, os.path.join(directory, "extra.pt"))
+
+
+def load(directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any]) -> None:
+    """Restore from a checkpoint directory of either format (a collective)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True)
+    if os.path.exists(os.path.join(directory, DCP_METADATA)):
+        import torch.distributed.checkpoint as dcp
+
+        model_state, optim_state = _state_dicts(model, optimizer, full=False)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=directory)  # in place, resharded to this world size
+        options = StateDictOptions(full_state_dict=False)
+        extra_path = os.path.join(directory, "extra.pt")
+        extra_state = torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else {}
+    else:
+        state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        options = StateDictOptions(full_state_dict=True)
+        extra_state = state.get("extra", {})
     set_model_state_dict(model, state["model"], options=options)
-    # A stateless optimizer (plain SGD) saves no tensors, and torch refuses to load such a full
+    # A stateless optimizer (plain SGD) has no tensors, and torch refuses to load such a full
     # state dict; its hyperparameters come from the spec anyway.
     if optimizer is not None and state["optimizer"].get("state"):
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     for name, obj in extra.items():
-        if name in state.get("extra", {}):
-            obj.load_state_dict(state["extra"][name])
+        if name in extra_state:
+            obj.load_state_dict(extra_state[name])
 
 
-def latest() -> Optional[tuple[dict, dict]]:
-    """(state, saved history) of the checkpoint Ray Train restarted this worker group from, or None."""
+def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> Optional[dict]:
+    """Load the checkpoint Ray Train restarted this worker group from; returns its saved history
+    (run_id, epoch, history), or None when the job starts fresh."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:
-        state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
-        return state, read_history(directory)
+        load(directory, model, optimizer, extra)
+        return read_history(directory)
 
 
-def report_epoch(state: dict, *, epoch: int, history: list[dict], run_id: str, rank: int) -> None:
-    """Report the epoch to Ray Train from every rank, with rank 0 attaching the checkpoint."""
+def report_epoch(spec: JobSpec, metrics: dict, *, save_now: bool, model: nn.Module, optimizer,
+                 extra: Mapping[str, Any], history: list[dict], epoch: int, run_id: str, rank: int) -> None:
+    """Report the epoch to Ray Train from every rank, with this rank's part of a checkpoint when
+    `save_now`. With checkpoint.async the upload to storage runs in the background."""
     import ray.train
-    from ray.train import Checkpoint
+    from ray.train import Checkpoint, CheckpointUploadMode
 
-    metrics = {"epoch": epoch, **history[-1]}
-    if rank != 0:
-        ray.train.report(metrics)
+    report = {"epoch": epoch, **metrics}
+    if not save_now:
+        ray.train.report(report)
         return
-    with tempfile.TemporaryDirectory() as directory:
-        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
-        # Beside the weights, not in them: the driver reads it without torch or the state dict's size.
-        write_history(directory, run_id=run_id, epoch=epoch, history=history)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
+    directory = tempfile.mkdtemp(prefix="rayapp-ckpt-")
+    try:
+        save(spec, directory, model, optimizer, extra, rank=rank)
+        if rank == 0:
+            # Beside the weights, not in them: the driver reads it without torch or the state's size.
+            write_history(directory, run_id=run_id, epoch=epoch, history=history)
+        mode = CheckpointUploadMode.ASYNC if spec.checkpoint.async_save else CheckpointUploadMode.SYNC
+        ray.train.report(report, checkpoint=Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=f"checkpoint_epoch_{epoch:06d}", checkpoint_upload_mode=mode)
+    finally:
+        if not spec.checkpoint.async_save:  # an async upload deletes the directory once it is done
+            shutil.rmtree(directory, ignore_errors=True)

@@ -14,11 +14,14 @@ epoch logged exactly once. A loop looks like this::
         for epoch in ctx.epochs(model, optimizer):
             for inputs, targets in ctx.batches(loader):
                 with ctx.compute():
-                    optimizer.zero_grad()
-                    loss = F.cross_entropy(model(inputs), targets)
-                    loss.backward()
-                    optimizer.step()
+                    with ctx.autocast():                    # train.precision: bf16/fp16
+                        loss = F.cross_entropy(model(inputs), targets)
+                    ctx.backward(loss)                      # fp16 loss scaling, accumulation
+                    ctx.step(optimizer)                     # clipping, then step every grad_accum_steps
             ctx.log_epoch({"loss": ctx.mean(loss)})
+
+A loop may also call ``loss.backward()`` and ``optimizer.step()`` itself; ctx.backward/ctx.step
+add what the job's settings ask for (precision, accumulation, clipping, step-level metrics).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from rayapp.spec import JobSpec
 from rayapp.train import checkpoint, collectives
 from rayapp.train.config import WorkerConfig
-from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
+from rayapp.train.data import build_loader, shard_sampler
+from rayapp.train.strategies import PRECISION_DTYPES, Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
@@ -58,8 +62,12 @@ class TrainContext:
         self._epoch: Optional[int] = None
         self._epoch_metrics: dict[str, float] = {}
         self._history: list[dict] = []
-        self._last_state: Optional[dict] = None
+        self._trained: Optional[nn.Module] = None
         self._attempt = 1
+        self._micro_steps = 0
+        self._last_loss: Optional[torch.Tensor] = None
+        self._step_log_clock = (time.perf_counter(), 0)  # (when, samples) at the last step-level log
+        self._scaler = torch.amp.GradScaler(device.type) if self.spec.train.precision == "fp16" else None
         self._first_step_logged = False
         self._global_step = 0
         self._reset_epoch_clocks()
@@ -97,20 +105,23 @@ class TrainContext:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this worker's device."""
-        self._placement = apply_strategy(self.spec, model, self.device)
-        self._comm_clock = DdpCommClock(self._placement.model)  # NaN for strategies without DDP's reducer
-        return self._placement.model
+        placement = apply_strategy(self.spec, model, self.device)
+        self._comm_clock = DdpCommClock(placement.model)  # NaN for strategies without DDP's reducer
+        if self.spec.train.compile:
+            # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles through.
+            placement = Placement(torch.compile(placement.model), placement.input_device, placement.output_device)
+        self._placement = placement
+        return placement.model
 
     def loader(self, dataset: Dataset, *, batch_size: Optional[int] = None, shuffle: bool = True,
                **loader_kwargs: Any) -> DataLoader:
         """This rank's shard of `dataset` (DistributedSampler, reshuffled each epoch by :meth:`epochs`),
         in batches of `batch_size` (default: the job's per-worker batch); every rank takes the same
         number of steps (the last incomplete batch is dropped)."""
-        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
-                                     seed=self.spec.train.seed, drop_last=True)
-        self._samplers.append(sampler)
-        return DataLoader(dataset, batch_size=batch_size or self.spec.batch_size_per_worker, sampler=sampler,
-                          drop_last=True, pin_memory=self.device.type == "cuda", **loader_kwargs)
+        loader = build_loader(self.spec, dataset, rank=self.rank, world_size=self.world_size, batch_size=batch_size,
+                              shuffle=shuffle, pin_memory=self.device.type == "cuda", **loader_kwargs)
+        self._samplers.append(shard_sampler(loader))
+        return loader
 
     # ---- the epoch loop ---------------------------------------------------------------
 
@@ -125,8 +136,7 @@ class TrainContext:
             self._start_epoch(epoch)
             yield epoch
             self._end_epoch(model, optimizer, stateful)
-        if start >= self.spec.train.epochs:  # resumed after the last epoch's checkpoint: nothing trained here
-            self._last_state = checkpoint.full_state(model, optimizer, stateful)  # a collective under FSDP
+        self._trained = model
         self._epoch = None
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
@@ -152,16 +162,55 @@ class TrainContext:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        """Times one training step (forward, backward, optimizer step) as ``compute_time_s``."""
+        """Times one training step (forward, backward, optimizer step) as ``compute_time_s``. With
+        gradient accumulation, a micro-step that does not end in an optimizer step skips the
+        gradient all-reduce (DDP's no_sync, FSDP's requires_gradient_sync)."""
         self._compute_timer.start()
-        yield
+        with self._gradient_sync(self._stepping_next()):
+            yield
         self._compute_timer.stop()
         if self._comm_clock is not None:
             self._comm_clock.step_finished()
-        self._global_step += 1
         if not self._first_step_logged:
             self._first_step_logged = True
             self.logger.log_metrics({"time_to_first_step_s": time.time() - self.config.submitted_at})
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for the forward pass (train.precision bf16/fp16); a no-op for fp32."""
+        dtype = PRECISION_DTYPES[self.spec.train.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), averaged over train.grad_accum_steps micro-steps and scaled under fp16."""
+        self._last_loss = loss.detach()
+        loss = loss / self.spec.train.grad_accum_steps
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Every train.grad_accum_steps calls: clip (train.grad_clip), step, zero the gradients,
+        and log step-level metrics when due. Returns whether the optimizer stepped."""
+        stepping = self._stepping_next()
+        self._micro_steps += 1
+        if not stepping:
+            return False
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if self.spec.train.grad_clip is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.spec.train.grad_clip)
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._global_step += 1
+        every = self.spec.tracking.log_every_steps
+        if every and self._global_step % every == 0:
+            self._log_step_metrics()
+        return True
 
     # ---- logging ----------------------------------------------------------------------
 
@@ -187,15 +236,10 @@ class TrainContext:
 
     def _resume(self, model: nn.Module, optimizer, stateful: Mapping[str, Any]) -> int:
         start, self._history = 0, []
-        restored = checkpoint.latest()
-        if restored is not None:
-            state, saved = restored
-            checkpoint.load_full_state(model, optimizer, stateful, state)
+        saved = checkpoint.restore(model, optimizer, stateful)
+        if saved is not None:
             start, self._history = saved["epoch"] + 1, saved["history"]
-        # Counted in the run itself, so a restart before the first checkpoint counts too.
-        self._attempt = self.logger.previous_attempts() + 1
-        self._first_step_logged = self._attempt > 1  # time to first step is the first attempt's
-        self._record_placement()
+        self.begin_attempt()
         # After a restart each epoch is logged once: epochs checkpointed whose metrics never reached
         # MLflow are logged from the checkpoint; epochs logged but not checkpointed (the failure came
         # between the two) are re-run from the checkpoint, deterministically, and not logged again.
@@ -204,6 +248,15 @@ class TrainContext:
             if epoch not in self._already_logged:
                 self.logger.log_epoch(epoch, metrics)
         return start
+
+    def begin_attempt(self) -> int:
+        """Count this attempt (restarts after failures) and record where every rank runs; a
+        collective. :meth:`epochs` calls it; a loop without epochs (a script) calls it itself."""
+        # Counted in the run itself, so a restart before the first checkpoint counts too.
+        self._attempt = self.logger.previous_attempts() + 1
+        self._first_step_logged = self._attempt > 1  # time to first step is the first attempt's
+        self._record_placement()
+        return self._attempt
 
     def _record_placement(self) -> None:
         placed = collectives.placements(self.world_size)
@@ -219,6 +272,7 @@ class TrainContext:
                       "per-node figures in this run do not describe that many nodes")
 
     def _reset_epoch_clocks(self) -> None:
+        self._samples_before_epoch = getattr(self, "_samples_before_epoch", 0) + getattr(self, "_samples", 0)
         self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
         self._compute_timer = DeviceTimer(self.device)
         self._samples = 0
@@ -257,17 +311,51 @@ class TrainContext:
         epoch = self._epoch
         self._history.append(metrics)
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
-        self._last_state = checkpoint.full_state(model, optimizer, stateful)
-        checkpoint.report_epoch(self._last_state, epoch=epoch, history=self._history,
-                                run_id=self.config.run_id, rank=self.rank)
+        every, last = self.spec.checkpoint.every_epochs, self.spec.train.epochs - 1
+        save_now = (epoch + 1) % every == 0 or epoch == last
+        saving_started = time.perf_counter()
+        checkpoint.report_epoch(self.spec, metrics, save_now=save_now, model=model, optimizer=optimizer,
+                                extra=stateful, history=self._history, epoch=epoch, run_id=self.config.run_id,
+                                rank=self.rank)
         if epoch not in self._already_logged:
+            if save_now:
+                metrics = {**metrics, "checkpoint_time_s": time.perf_counter() - saving_started}
             self.logger.log_epoch(epoch, metrics)
         if self.is_chief and self.config.progress is not None:
             self.config.progress.put_nowait({"epoch": epoch, **metrics})
 
     def final_model_state(self) -> Optional[dict]:
-        """The full model state of the last checkpoint (for the model artifact), if any epoch ran."""
-        return self._last_state["model"] if self._last_state else None
+        """The trained model's full state on CPU, gathered once, at the end (a collective under
+        FSDP: every rank calls it); None when the loop trained no model through :meth:`epochs`."""
+        return checkpoint.full_model_state(self._trained) if self._trained is not None else None
+
+    def _stepping_next(self) -> bool:
+        """Whether the coming micro-step ends in an optimizer step."""
+        return (self._micro_steps + 1) % self.spec.train.grad_accum_steps == 0
+
+    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        model = self._placement.model if self._placement else None
+        if sync or model is None:
+            return contextlib.nullcontext()
+        if hasattr(model, "no_sync"):  # DDP
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            return _fsdp_no_sync(model)
+        return contextlib.nullcontext()
+
+    def _log_step_metrics(self) -> None:
+        """step_loss and step_samples_per_s (this rank's samples x world size) since the last log;
+        reading the loss is the one device sync, at log points only."""
+        now, samples = time.perf_counter(), self._samples_total()
+        then, samples_then = self._step_log_clock
+        self._step_log_clock = (now, samples)
+        metrics = {"step_samples_per_s": (samples - samples_then) * self.world_size / max(now - then, 1e-9)}
+        if self._last_loss is not None:
+            metrics["step_loss"] = self._last_loss.item()
+        self.logger.log_metrics(metrics, step=self._global_step)
+
+    def _samples_total(self) -> int:
+        return self._samples_before_epoch + self._samples
 
     @property
     def prepared(self) -> bool:
@@ -287,6 +375,15 @@ class TrainContext:
             moved.append(target.to(self.output_device, non_blocking=True))
             return type(batch)(moved) if isinstance(batch, tuple) else moved
         return batch
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _batch_size(batch: Any) -> int:

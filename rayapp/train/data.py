@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from rayapp.spec import DATASETS, JobSpec
 from rayapp.train.builders import import_object
@@ -50,14 +50,29 @@ def _is_map_style(obj: object) -> bool:
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, tuple, dict))
 
 
-def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int) -> DataLoader:
-    """This rank's shard of `dataset` in batches of the per-worker batch size, reshuffled each epoch
-    (call ``loader.sampler.set_epoch(epoch)``); the last incomplete batch is dropped on every rank
-    so that all ranks take the same number of steps."""
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=spec.train.seed, drop_last=True
-    )
-    return DataLoader(dataset, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
+def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int, batch_size: Optional[int] = None,
+                 shuffle: bool = True, pin_memory: bool = False, **loader_kwargs) -> DataLoader:
+    """This rank's shard of `dataset` in batches (default: the per-worker batch size), reshuffled
+    each epoch by ``shard_sampler(loader).set_epoch(epoch)``; the last incomplete batch is dropped
+    on every rank so that all ranks take the same number of steps.
+
+    In-memory tensors (a TensorDataset) are fetched a whole batch at a time, by indexing each
+    tensor with the batch's indices, rather than sample by sample and stacked by collate: the
+    same batches, without a Python call per sample."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                 seed=spec.train.seed, drop_last=True)
+    batch_size = batch_size or spec.batch_size_per_worker
+    options = {"num_workers": spec.data.loader_workers, "pin_memory": pin_memory, **loader_kwargs}
+    if isinstance(dataset, TensorDataset) and "collate_fn" not in loader_kwargs:
+        batches = BatchSampler(sampler, batch_size, drop_last=True)
+        return DataLoader(dataset, sampler=batches, batch_size=None, **options)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **options)
+
+
+def shard_sampler(loader: DataLoader) -> DistributedSampler:
+    """The DistributedSampler behind a loader built by :func:`build_loader`."""
+    sampler = loader.sampler
+    return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
 
 
 def random_regression(spec: JobSpec) -> TensorDataset:

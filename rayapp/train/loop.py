@@ -85,10 +85,10 @@ def standard_loop(ctx: TrainContext) -> None:
         steps = 0
         for inputs, targets in ctx.batches(loader):
             with ctx.compute():
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
+                with ctx.autocast():
+                    loss = loss_fn(model(inputs), targets)
+                ctx.backward(loss)
+                ctx.step(optimizer)  # clips and steps every train.grad_accum_steps; zeroes the gradients
             loss_sum += loss.detach()  # no .item(): that would wait for the device every step
             steps += 1
 
@@ -109,9 +109,9 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
     if ctx.prepared:  # a script trains in its own process: rayapp holds no model to measure
         finals["param_bytes_per_rank"] = ctx.parameter_bytes()
     logger.log_metrics(finals, step=last_epoch)
+    model_state = ctx.final_model_state()  # every rank: a collective under FSDP
     if ctx.is_chief:
         with tempfile.TemporaryDirectory() as directory:
-            model_state = ctx.final_model_state()
             if model_state is not None:
                 model_path = os.path.join(directory, "model_state_dict.pt")
                 torch.save(model_state, model_path)

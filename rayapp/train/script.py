@@ -32,6 +32,7 @@ STDERR_LINES_KEPT = 3
 def script_loop(ctx: TrainContext) -> None:
     """Run train.script with train.script_args on this rank; raise if any rank's script failed."""
     spec = ctx.spec
+    ctx.begin_attempt()
     master = _rendezvous(ctx)
     env = {**os.environ, **torchrun_env(ctx, *master),
            "MLFLOW_TRACKING_URI": ctx.config.tracking_uri, "MLFLOW_RUN_ID": ctx.config.run_id}

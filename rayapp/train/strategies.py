@@ -17,6 +17,10 @@ from rayapp.spec import STRATEGIES, JobSpec
 from rayapp.train.builders import import_object
 
 
+PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""train.precision -> the dtype autocast computes in (None: no autocast)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     model: nn.Module
@@ -31,6 +35,8 @@ def apply_strategy(spec: JobSpec, model: nn.Module, device: torch.device) -> Pla
     apply = import_object(STRATEGIES.get(spec.train.strategy).target)
     if not spec.single_process:
         model = model.to(device)
+    if spec.train.strategy == "fsdp":
+        return apply(model, device=device, param_dtype=PRECISION_DTYPES[spec.train.precision])
     return apply(model, device=device)
 
 
@@ -40,19 +46,22 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> Placement:
     return Placement(DistributedDataParallel(model, device_ids=device_ids), device, device)
 
 
-def apply_fsdp(model: nn.Module, *, device: torch.device) -> Placement:
+def apply_fsdp(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype | None = None) -> Placement:
     """Shard parameters, gradients and optimizer state (FSDP2 `fully_shard`).
 
     Works with NCCL on GPUs and Gloo on CPUs. Each Linear layer becomes its own
     shard unit so that only one layer's full parameters exist at a time; the root
-    call then covers whatever is left (e.g. a bare nn.Linear).
+    call then covers whatever is left (e.g. a bare nn.Linear). With mixed precision, parameters
+    are gathered in `param_dtype` for compute and gradients reduced in fp32 (MixedPrecisionPolicy).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    options = {"mp_policy": policy} if policy else {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and module is not model:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, **options)
+    fully_shard(model, **options)
     return Placement(model, device, device)
 
 

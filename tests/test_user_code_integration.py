@@ -1,0 +1,134 @@
+"""Users' own code on a real embedded 2-node cluster with real MLflow: the three ways in
+(factories, an own loop, an unmodified torchrun script), each run from a copy of its example in
+a temporary directory that is not on this process's sys.path, so the workers can only have the
+code because it travelled with the job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_RANK_EXIT_CODES
+
+from conftest import REPO, cmdline, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
+
+pytestmark = pytest.mark.integration
+EXAMPLES = REPO / "examples"
+
+
+def example(name: str, tmp_path: Path) -> Path:
+    copy = tmp_path / "code" / name
+    shutil.copytree(EXAMPLES / name, copy)
+    assert not any(str(copy).startswith(entry) for entry in sys.path if entry and entry != "/"), sys.path
+    return copy
+
+
+def kill_one_worker(process) -> None:
+    workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
+    assert workers, "no RayTrainWorker process found under rayapp"
+    os.kill(workers[-1], signal.SIGKILL)
+
+
+def steps(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_factories_train_a_cnn_on_digits(tmp_path):
+    code, workdir = example("cnn_digits", tmp_path), tmp_path / "run"
+    workdir.mkdir()
+    result = run_rayapp("submit", "--nodes", "2", str(code / "job.yaml"), cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "your code travels to the workers from" in result.stdout
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    epochs = int(run.data.params["epochs"])
+    assert steps(client, run.info.run_id, "test_accuracy") == list(range(epochs))
+    assert run.data.metrics["test_accuracy"] >= 0.95
+    assert run.data.params["model"].endswith(":build") or ":" in run.data.params["model"]
+
+
+def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path):
+    code, workdir = example("char_gpt", tmp_path), tmp_path / "run"
+    workdir.mkdir()
+    epochs = 5
+    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
+                           str(code / "job_tiny.yaml"), cwd=workdir)
+    try:
+        wait_for_line(process, f"epoch 2/{epochs}")
+        kill_one_worker(process)
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_ATTEMPTS] == "2"
+    for key in ("loss", "val_loss", "tokens_per_s", "epoch_time_s"):
+        assert steps(client, run.info.run_id, key) == list(range(epochs)), key
+
+
+def logged_script_epochs(db: Path) -> int:
+    """How many script `loss` values the run holds so far (read while the job writes)."""
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db, timeout=1) as connection:
+            return connection.execute("SELECT COUNT(*) FROM metrics WHERE key = 'loss'").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tmp_path):
+    code, workdir = example("article_ddp", tmp_path), tmp_path / "run"
+    workdir.mkdir()
+    process = start_rayapp("submit", "--nodes", "2", "--max-failures", "1", "--script", str(code / "train.py"),
+                           "--", "--epochs", "6", "--steps", "40", cwd=workdir)
+    try:
+        wait_for_line(process, "training on 2 worker(s)")
+        deadline = time.monotonic() + 300
+        while logged_script_epochs(workdir / "mlflow.db") < 2:
+            assert time.monotonic() < deadline and process.poll() is None, "the script logged no epochs"
+            time.sleep(0.5)
+        kill_one_worker(process)
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    client = mlflow_client(workdir)
+    run = only_run(client)  # the restart stayed in the same run
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_ATTEMPTS] == "2"
+    assert run.data.tags[TAG_RANK_EXIT_CODES] == "0,0"
+    assert run.data.params["script"] == "train.py"
+    assert set(steps(client, run.info.run_id, "loss")) == set(range(6))
+
+
+def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path):
+    code, workdir = tmp_path / "code", tmp_path / "run"
+    code.mkdir()
+    workdir.mkdir()
+    (code / "bad.py").write_text(textwrap.dedent("""
+        import os, sys
+        if os.environ["RANK"] == "1":
+            print("loading shard", file=sys.stderr)
+            print("FileNotFoundError: data/shard-1.bin", file=sys.stderr)
+            sys.exit(3)
+    """))
+    result = run_rayapp("submit", "--nodes", "2", "--script", str(code / "bad.py"), cwd=workdir)
+    assert result.returncode == 1, result.stdout[-2000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert "bad.py exited with code 3 on rank 1" in message and "FileNotFoundError: data/shard-1.bin" in message
+    assert "Traceback" not in result.stderr
+    run = only_run(mlflow_client(workdir))
+    assert run.info.status == "FAILED"
