@@ -6,6 +6,7 @@ import contextlib
 import threading
 from typing import Callable, Iterator, Optional
 
+from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import local_gpus
 from rayapp.errors import RayappError
 from rayapp.launch.cluster import EmbeddedCluster
@@ -41,6 +42,7 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
                          runtime_env=runtime_env)
             except Exception as exc:  # ConnectionError, timeouts, bad scheme
                 raise RayappError(f"cannot connect to Ray cluster at {address!r}: {first_line(exc)}") from None
+            raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
             yield address
             return
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
@@ -62,6 +64,7 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
                     f"cannot connect to the embedded Ray cluster at {cluster.address}: {first_line(exc)}; "
                     f"node logs are in {cluster.log_dir}"
                 ) from None
+            raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
             cluster.wait_for_nodes()
             try:
                 yield "local"

@@ -24,9 +24,11 @@ from rayapp.tracking.run import (
     environment_tags,
     fallback_path,
     job_params,
+    log_run_metrics,
     open_run,
     resolve_tracking_uri,
 )
+from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.session import ProgressCallback, first_line, progress_pump, ray_cluster
 from rayapp.driver.trainer import build_trainer, storage_path, trial_name
 from rayapp.train.config import WorkerConfig
@@ -66,6 +68,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     import ray
 
     submitted_at = time.time()
+    raise_on_termination()
     status = options.on_status or (lambda _: None)
     # Ray Train's controller takes one reported result per poll, every 2 s by default, and a worker
     # that reports again blocks until then: every epoch shorter than 2 s was stretched to 2 s
@@ -79,6 +82,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     outcome = "FAILED"
     try:
         with ray_cluster(spec, verbose=options.verbose, status=status, runtime_env=job_env) as cluster_label:
+            cluster_ready_at = time.time()
             check_capacity(spec, wait_s=options.schedule_timeout_s)
             backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
             run_id = open_run(
@@ -89,6 +93,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
                 parent_run_id=options.parent_run_id,
             )
+            log_run_metrics(tracking_uri, run_id, {"startup_cluster_s": cluster_ready_at - submitted_at})
             fallback = fallback_path(storage_path(spec.cluster.storage_path), trial_name(spec, run_id), run_id)
             try:
                 with progress_pump(options.on_progress) as progress_queue:
@@ -101,6 +106,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                             run_id=run_id,
                             tracking_uri=tracking_uri,
                             submitted_at=submitted_at,
+                            cluster_ready_at=cluster_ready_at,
                             fallback_path=fallback,
                             progress=progress_queue,
                         ),

@@ -251,11 +251,18 @@ class TrackingSpec:
     """MLflow tracking URI; none: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
     log_every_steps: int = 0
     """Log step_loss and step_samples_per_s every N optimizer steps (step = global step); 0: off."""
+    system_metrics_s: float = 10.0
+    """Seconds between samples of each node's CPU, memory, network and GPU use (MLflow's system
+    metrics, ``system/<node>/...``), taken by one worker per node; 0: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.log_every_steps, bool) or not isinstance(self.log_every_steps, int) or self.log_every_steps < 0:
             raise SpecError(f"tracking.log_every_steps: {self.log_every_steps!r} is not accepted; "
                             "use a whole number >= 0 (0 turns step-level metrics off)")
+        if (isinstance(self.system_metrics_s, bool) or not isinstance(self.system_metrics_s, (int, float))
+                or not self.system_metrics_s >= 0):
+            raise SpecError(f"tracking.system_metrics_s: {self.system_metrics_s!r} is not accepted; "
+                            "use seconds >= 0 (0 turns system metrics off)")
         if not isinstance(self.experiment, str) or not self.experiment.strip():
             raise SpecError(f"tracking.experiment: {self.experiment!r} is not accepted; use a non-empty name")
 

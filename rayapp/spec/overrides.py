@@ -63,6 +63,8 @@ OVERRIDES: tuple[Override, ...] = (
     Override("--checkpoint-every", "checkpoint.every_epochs", int,
              "Checkpoint after every K-th epoch (and always after the last)."),
     Override("--log-every-steps", "tracking.log_every_steps", int, "Log step_loss every N steps; 0: off."),
+    Override("--system-metrics-interval", "tracking.system_metrics_s", float,
+             "Seconds between per-node CPU/memory/network/GPU samples; 0: off."),
     Override("--working-dir", "cluster.working_dir", str,
              "Directory of your code, shipped to every worker; default: the job file's directory."),
     Override("--script", "train.script", str,

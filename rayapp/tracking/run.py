@@ -17,6 +17,9 @@ from rayapp.spec import JobSpec
 
 EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s", "peak_mem_mb")
 FINAL_METRICS = ("total_time_s", "time_to_first_step_s", "param_bytes_per_rank")
+STARTUP_METRICS = ("startup_cluster_s", "startup_workers_s", "time_to_first_step_s")
+"""Where the time before training goes: the cluster started or connected (driver), every worker's
+loop started (after the cluster), the first optimizer step done (since `rayapp submit` began)."""
 WRITE_COST_METRICS = ("mlflow_write_s", "mlflow_write_cpu_s", "mlflow_writes")
 """Rank 0's MLflow writes in one attempt, all but the one carrying these: wall time, the sending
 thread's CPU time, and the number of writes."""
@@ -109,13 +112,34 @@ def _git_sha(directory: Path) -> Optional[str]:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
+"""What the MLflow UI reads to open an experiment in its model-training view (not the GenAI one)."""
+
+
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    """The experiment's id, created if need be, tagged as a model-training experiment unless the
+    user gave it a kind of their own."""
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
+        if TAG_EXPERIMENT_KIND not in experiment.tags:
+            client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_EXPERIMENT_KIND)
         return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri))
+    return client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri),
+                                    tags={TAG_EXPERIMENT_KIND: TRAINING_EXPERIMENT_KIND})
+
+
+def log_run_metrics(tracking_uri: str, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    """A few metrics the driver logs itself (startup phases), in one write."""
+    import time
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    now = int(time.time() * 1000)
+    MlflowClient(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 def open_run(

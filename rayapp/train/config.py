@@ -15,6 +15,8 @@ class WorkerConfig:
     tracking_uri: str
     submitted_at: float
     """Driver wall clock at submission, for time_to_first_step_s."""
+    cluster_ready_at: float = 0.0
+    """Driver wall clock when the cluster was up (started or connected), for startup_workers_s."""
     fallback_path: str = ""
     """Where rank 0 writes MLflow records the tracking server could not take by the end."""
     progress: Any = None

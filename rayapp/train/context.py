@@ -36,10 +36,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rayapp.spec import JobSpec
-from rayapp.train import checkpoint, collectives
+from rayapp.train import checkpoint, collectives, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
-from rayapp.train.strategies import PRECISION_DTYPES, Placement, apply_strategy, local_parameter_bytes
+from rayapp.train.stepping import Stepper
+from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
@@ -56,6 +57,7 @@ class TrainContext:
         self.device = device
         self.logger = logger
         self._loop_started = loop_started
+        self._loop_started_wall = time.time() - (time.perf_counter() - loop_started)
         self._placement: Optional[Placement] = None
         self._comm_clock: Optional[DdpCommClock] = None
         self._samplers: list[DistributedSampler] = []
@@ -64,12 +66,11 @@ class TrainContext:
         self._history: list[dict] = []
         self._trained: Optional[nn.Module] = None
         self._attempt = 1
-        self._micro_steps = 0
-        self._last_loss: Optional[torch.Tensor] = None
-        self._step_log_clock = (time.perf_counter(), 0)  # (when, samples) at the last step-level log
-        self._scaler = torch.amp.GradScaler(device.type) if self.spec.train.precision == "fp16" else None
+        self._stepper = Stepper(self.spec, device, logger, world_size=world_size,
+                                samples_seen=lambda: self._samples_before_epoch + self._samples)
+        self._system_monitor = None
         self._first_step_logged = False
-        self._global_step = 0
+        self._samples_before_epoch = self._samples = 0
         self._reset_epoch_clocks()
 
     # ---- what a loop reads ------------------------------------------------------------
@@ -90,8 +91,8 @@ class TrainContext:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far in this attempt's epochs (counted by :meth:`compute`)."""
-        return self._global_step
+        """Optimizer steps taken so far in this attempt (counted by :meth:`step`)."""
+        return self._stepper.global_step
 
     @property
     def input_device(self) -> torch.device:
@@ -166,7 +167,7 @@ class TrainContext:
         gradient accumulation, a micro-step that does not end in an optimizer step skips the
         gradient all-reduce (DDP's no_sync, FSDP's requires_gradient_sync)."""
         self._compute_timer.start()
-        with self._gradient_sync(self._stepping_next()):
+        with self._stepper.gradient_sync(self._placement.model if self._placement else None):
             yield
         self._compute_timer.stop()
         if self._comm_clock is not None:
@@ -177,40 +178,16 @@ class TrainContext:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass (train.precision bf16/fp16); a no-op for fp32."""
-        dtype = PRECISION_DTYPES[self.spec.train.precision]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return self._stepper.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), averaged over train.grad_accum_steps micro-steps and scaled under fp16."""
-        self._last_loss = loss.detach()
-        loss = loss / self.spec.train.grad_accum_steps
-        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+        self._stepper.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Every train.grad_accum_steps calls: clip (train.grad_clip), step, zero the gradients,
-        and log step-level metrics when due. Returns whether the optimizer stepped."""
-        stepping = self._stepping_next()
-        self._micro_steps += 1
-        if not stepping:
-            return False
-        if self._scaler is not None:
-            self._scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        if self.spec.train.grad_clip is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.spec.train.grad_clip)
-        if self._scaler is not None:
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._global_step += 1
-        every = self.spec.tracking.log_every_steps
-        if every and self._global_step % every == 0:
-            self._log_step_metrics()
-        return True
+        """Every train.grad_accum_steps calls: clip (train.grad_clip), step, zero the gradients, and
+        log step-level metrics when due (tracking.log_every_steps). Returns whether it stepped."""
+        return self._stepper.step(optimizer)
 
     # ---- logging ----------------------------------------------------------------------
 
@@ -225,7 +202,7 @@ class TrainContext:
 
     def log_step(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
         """Step-level metrics (rank 0's) at `step`, default the global step."""
-        self.logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=self._global_step if step is None else step)
+        self.logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=self.global_step if step is None else step)
 
     def tell(self, message: str) -> None:
         """A warning for the person at the submitting terminal (rank 0's)."""
@@ -255,10 +232,24 @@ class TrainContext:
         # Counted in the run itself, so a restart before the first checkpoint counts too.
         self._attempt = self.logger.previous_attempts() + 1
         self._first_step_logged = self._attempt > 1  # time to first step is the first attempt's
-        self._record_placement()
+        node_ip = self._record_placement()
+        if self.local_rank == 0 and self._system_monitor is None:
+            self._system_monitor = system_metrics.start(
+                run_id=self.config.run_id, tracking_uri=self.config.tracking_uri, node=node_ip,
+                interval_s=self.spec.tracking.system_metrics_s, resume=self._attempt > 1)
+        # -- startup: from the cluster being ready until every worker's loop had started
+        started = collectives.max_over_ranks([self._loop_started_wall], self.device)[0]
+        if self._attempt == 1 and self.config.cluster_ready_at:
+            self.logger.log_metrics({"startup_workers_s": started - self.config.cluster_ready_at})
         return self._attempt
 
-    def _record_placement(self) -> None:
+    def close(self) -> None:
+        """Stop what the context started on this worker (the node's system-metrics sampler)."""
+        system_metrics.stop(self._system_monitor)
+        self._system_monitor = None
+
+    def _record_placement(self) -> str:
+        """Tag where every rank runs; returns this rank's node IP."""
         placed = collectives.placements(self.world_size)
         self.logger.set_tags({
             TAG_NODE_IDS: ",".join(node_id for node_id, _ in placed),
@@ -270,9 +261,10 @@ class TrainContext:
             # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
             self.tell(f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
                       "per-node figures in this run do not describe that many nodes")
+        return placed[self.rank][1]
 
     def _reset_epoch_clocks(self) -> None:
-        self._samples_before_epoch = getattr(self, "_samples_before_epoch", 0) + getattr(self, "_samples", 0)
+        self._samples_before_epoch += self._samples
         self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
         self._compute_timer = DeviceTimer(self.device)
         self._samples = 0
@@ -329,34 +321,6 @@ class TrainContext:
         FSDP: every rank calls it); None when the loop trained no model through :meth:`epochs`."""
         return checkpoint.full_model_state(self._trained) if self._trained is not None else None
 
-    def _stepping_next(self) -> bool:
-        """Whether the coming micro-step ends in an optimizer step."""
-        return (self._micro_steps + 1) % self.spec.train.grad_accum_steps == 0
-
-    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        model = self._placement.model if self._placement else None
-        if sync or model is None:
-            return contextlib.nullcontext()
-        if hasattr(model, "no_sync"):  # DDP
-            return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            return _fsdp_no_sync(model)
-        return contextlib.nullcontext()
-
-    def _log_step_metrics(self) -> None:
-        """step_loss and step_samples_per_s (this rank's samples x world size) since the last log;
-        reading the loss is the one device sync, at log points only."""
-        now, samples = time.perf_counter(), self._samples_total()
-        then, samples_then = self._step_log_clock
-        self._step_log_clock = (now, samples)
-        metrics = {"step_samples_per_s": (samples - samples_then) * self.world_size / max(now - then, 1e-9)}
-        if self._last_loss is not None:
-            metrics["step_loss"] = self._last_loss.item()
-        self.logger.log_metrics(metrics, step=self._global_step)
-
-    def _samples_total(self) -> int:
-        return self._samples_before_epoch + self._samples
-
     @property
     def prepared(self) -> bool:
         """Whether the loop gave rayapp its model (:meth:`prepare`)."""
@@ -375,15 +339,6 @@ class TrainContext:
             moved.append(target.to(self.output_device, non_blocking=True))
             return type(batch)(moved) if isinstance(batch, tuple) else moved
         return batch
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def _batch_size(batch: Any) -> int:

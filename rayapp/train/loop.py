@@ -50,8 +50,10 @@ def train_loop_per_worker(config: dict) -> None:
                        local_rank=context.get_local_rank(), device=device, loop_started=loop_started)
     try:
         job_loop(worker_config)(ctx)
+        ctx.close()
         finish(ctx, loop_started)
     except Exception:
+        ctx.close()
         # Epochs still queued for MLflow go out before the error ends this worker. A worker killed
         # outright cannot do this; a restarted one logs those epochs from its checkpoint's history.
         _tell_if_undelivered(worker_config, logger.close(timeout_s=FLUSH_ON_ERROR_S))
