@@ -32,7 +32,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def rayapp_imports(path: Path) -> set[str]:
+def rayapp_imports(path: Path, modules: set[str]) -> set[str]:
     """Every rayapp module `path` imports, at module level or inside functions."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
@@ -40,15 +40,19 @@ def rayapp_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("rayapp"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rayapp"):
-            found.add(node.module)
-            # `from rayapp.train import checkpoint` imports the submodule rayapp.train.checkpoint
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            # `from rayapp.train import checkpoint` imports the submodule rayapp.train.checkpoint;
+            # it takes nothing from the package's own namespace, so that is no edge to the package.
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            found.update(submodules & modules)
+            if not submodules <= modules:
+                found.add(node.module)
     return found
 
 
 def import_graph() -> dict[str, set[str]]:
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return {name: {m for m in rayapp_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    return {name: {m for m in rayapp_imports(path, set(modules)) if m in modules and m != name}
+            for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

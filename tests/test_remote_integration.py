@@ -180,7 +180,7 @@ def test_the_cluster_runs_the_resolved_spec(job):
     import dataclasses
 
     from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
-    from rayapp.launch.jobs_api import remote_job_yaml
+    from rayapp.launch.remote_job import remote_job_yaml
 
     here = load_spec(JOBS / f"{job}.yaml", {"cluster.nodes": 2, "train.epochs": 3, "cluster.address": "http://h:8265",
                                             "tracking.tracking_uri": "http://mlflow:5000"})

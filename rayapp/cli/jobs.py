@@ -1,30 +1,38 @@
-"""`rayapp status`, `rayapp logs`, `rayapp stop`: follow jobs submitted with `rayapp submit --address http://...`.
+"""Jobs submitted through the Ray Jobs API: the terminal side of `rayapp submit --address http://...`
+(streaming the job's output, Ctrl-C's "stop or detach?") and `rayapp status`, `rayapp logs`,
+`rayapp stop`.
 
 They talk to the cluster's Ray Jobs API (the dashboard, port 8265), locally or through the SSH
-tunnel `ray dashboard cluster_configs/<cloud>.yaml` opens.
+tunnel `ray dashboard cluster_configs/<cloud>.yaml` opens, through :mod:`rayapp.launch.jobs_api`.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from datetime import datetime
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
-from rayapp.cli import CONTEXT_SETTINGS, EXIT_INTERRUPTED, friendly_errors, main
-from rayapp.launch.jobs_api import DEFAULT_DASHBOARD_ADDRESS, STOP_TIMEOUT_S, default_address, normalize_address, one_line
+from rayapp.cli.common import CONTEXT_SETTINGS, EXIT_INTERRUPTED, friendly_errors
+from rayapp.cli.flags import dashboard_address_option
+from rayapp.launch.jobs_api import (
+    STOP_TIMEOUT_S,
+    TERMINAL_STATUSES,
+    connect,
+    job_info,
+    job_logs,
+    list_submissions,
+    normalize_address,
+    one_line,
+    stop_job,
+    stream_logs,
+    wait_for_terminal,
+)
+from rayapp.spec import JobSpec
 
 STATUS_COLOURS = {"SUCCEEDED": "green", "FAILED": "red", "STOPPED": "yellow", "RUNNING": "cyan", "PENDING": "blue"}
-
-
-def _address_option(command):
-    return click.option(
-        "--address",
-        default=default_address,
-        show_default=f"$RAY_ADDRESS if it is http(s), else {DEFAULT_DASHBOARD_ADDRESS}",
-        help="The cluster's Ray Jobs API (dashboard) URL.",
-    )(command)
 
 
 def _when(ms: Optional[int], short: bool = False) -> str:
@@ -42,9 +50,9 @@ def _duration(start_ms: Optional[int], end_ms: Optional[int]) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-@main.command(context_settings=CONTEXT_SETTINGS)
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id", required=False)
-@_address_option
+@dashboard_address_option
 @click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Jobs to list.")
 @friendly_errors
 def status(submission_id: Optional[str], address: str, limit: int) -> None:
@@ -59,8 +67,6 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
-
-    from rayapp.launch.jobs_api import connect, job_info, list_submissions
 
     address = normalize_address(address)
     client = connect(address)
@@ -101,10 +107,10 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
     console.print(table)
 
 
-@main.command(context_settings=CONTEXT_SETTINGS)
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends (Ctrl-C stops following, not the job).")
-@_address_option
+@dashboard_address_option
 @friendly_errors
 def logs(submission_id: str, follow: bool, address: str) -> None:
     """Output of a submitted job (its driver: status lines and one line per epoch).
@@ -114,23 +120,21 @@ def logs(submission_id: str, follow: bool, address: str) -> None:
       rayapp logs rayapp-seed_linear-1a2b3c4d
       rayapp logs rayapp-seed_linear-1a2b3c4d -f --address http://127.0.0.1:8265
     """
-    from rayapp.launch.jobs_api import connect, print_logs, stream_logs
-
     address = normalize_address(address)
     client = connect(address)
     if not follow:
-        print_logs(client, submission_id, address)
+        _write(job_logs(client, submission_id, address))
         return
     try:
-        stream_logs(client, submission_id, address)
+        stream_logs(client, submission_id, address, _write)
     except KeyboardInterrupt:
         click.echo(f"\nstopped following; job {submission_id} is not affected (rayapp stop {submission_id} stops it)")
         sys.exit(EXIT_INTERRUPTED)
 
 
-@main.command(context_settings=CONTEXT_SETTINGS)
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id")
-@_address_option
+@dashboard_address_option
 @click.option("--timeout", type=click.FloatRange(min=1), default=STOP_TIMEOUT_S, show_default=True,
               help="Seconds to wait for the job to be STOPPED.")
 @friendly_errors
@@ -145,8 +149,6 @@ def stop(submission_id: str, address: str, timeout: float) -> None:
       rayapp stop rayapp-seed_linear-1a2b3c4d
       rayapp stop rayapp-seed_linear-1a2b3c4d --address http://127.0.0.1:8265 --timeout 120
     """
-    from rayapp.launch.jobs_api import TERMINAL_STATUSES, connect, job_info, stop_job
-
     address = normalize_address(address)
     client = connect(address)
     before = str(job_info(client, submission_id, address).status)
@@ -156,3 +158,102 @@ def stop(submission_id: str, address: str, timeout: float) -> None:
     click.echo(f"stopping job {submission_id} ...")
     final = stop_job(client, submission_id, address, timeout_s=timeout)
     click.echo(f"job {submission_id} {final}")
+
+
+# ---- a submission through the Jobs API, followed from this terminal ---------------------
+
+
+def submit_remote(spec: JobSpec, *, job_yaml: Optional[str], detach: bool, schedule_timeout_s: float) -> int:
+    """Submit `spec` to the Jobs API at spec.cluster.address, then follow it; returns the exit code."""
+    from rayapp.launch import remote_job
+
+    try:
+        submission = remote_job.submit(spec, job_yaml=job_yaml, schedule_timeout_s=schedule_timeout_s)
+    except KeyboardInterrupt:
+        click.secho("rayapp: error: interrupted while submitting; the job may have been submitted: "
+                    f"rayapp status --address {spec.cluster.address}", err=True, fg="red")
+        return EXIT_INTERRUPTED
+    submission_id, address = submission.submission_id, submission.address
+    click.secho(f"submitted {submission_id} to {address}", bold=True)
+    click.echo(f"  job {spec.name!r}: {spec.world_size} worker(s) on {spec.cluster.nodes} node(s); "
+               f"MLflow: {submission.tracking_uri}")
+    if submission.code_from:
+        click.echo(f"  code: {submission.code_from} went with the job")
+    if "://" not in spec.cluster.storage_path:
+        click.echo(
+            f"  note: checkpoints go to {spec.cluster.storage_path!r} on the cluster's nodes; on a multi-machine "
+            "cluster pass shared storage, e.g. --storage-path s3://BUCKET/rayapp"
+        )
+    print_follow_commands(submission_id, address)
+    if detach:
+        return 0
+    return follow(submission.client, submission_id, address)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def print_follow_commands(submission_id: str, address: str) -> None:
+    click.echo(f"  status: rayapp status {submission_id} --address {address}")
+    click.echo(f"  logs:   rayapp logs {submission_id} -f --address {address}")
+    click.echo(f"  stop:   rayapp stop {submission_id} --address {address}")
+
+
+def follow(client: Any, submission_id: str, address: str) -> int:
+    """Stream the job's logs until it ends; 0 if it SUCCEEDED, else 1. Ctrl-C asks: stop or detach."""
+    click.echo("streaming the job's output (Ctrl-C to stop or detach):")
+    try:
+        stream_logs(client, submission_id, address, _write)
+        info = wait_for_terminal(client, submission_id, address, timeout_s=60.0)
+    except KeyboardInterrupt:
+        return on_interrupt(client, submission_id, address)
+    status = str(info.status)
+    if status == "SUCCEEDED":
+        click.secho(f"job {submission_id} SUCCEEDED", fg="green")
+        return 0
+    if status not in TERMINAL_STATUSES:
+        click.secho(
+            f"rayapp: error: the log stream ended while job {submission_id} is still {status}; "
+            f"follow it with rayapp logs {submission_id} -f --address {address}",
+            err=True, fg="red",
+        )
+        return 1
+    # Ray appends the driver's last output to the message; it has just been streamed above.
+    message = re.sub(r",? *last available logs.*$", "", one_line(info.message or "")).rstrip(" :")
+    detail = f": {message}" if message else ""
+    click.secho(f"rayapp: error: job {submission_id} ended {status}{detail}", err=True, fg="red")
+    return 1
+
+
+def on_interrupt(client: Any, submission_id: str, address: str) -> int:
+    """Ctrl-C while following a job: stop it, or leave it running (the default)."""
+    click.echo("")
+    if not sys.stdin.isatty():
+        click.echo(f"interrupted; no terminal to ask whether to stop it, so job {submission_id} keeps running (detached)")
+        print_follow_commands(submission_id, address)
+        return 0
+    try:
+        choice = click.prompt(
+            f"interrupted: stop job {submission_id}, or detach and leave it running?",
+            type=click.Choice(["detach", "stop"]),
+            default="detach",
+        )
+    except (click.Abort, KeyboardInterrupt, EOFError):
+        choice = "detach"
+    if choice == "detach":
+        click.echo(f"detached; job {submission_id} keeps running")
+        print_follow_commands(submission_id, address)
+        return 0
+    click.echo(f"stopping job {submission_id} ...")
+    try:
+        status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
+    except KeyboardInterrupt:
+        click.echo(f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}")
+        return EXIT_INTERRUPTED
+    click.echo(f"job {submission_id} {status}")
+    return EXIT_INTERRUPTED
+
+
+

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from rayapp.errors import RayappError
 from rayapp.launch import working_dir
-from rayapp.launch.preflight import check_capacity, resolve_backend
+from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import (
     TAG_CLUSTER,
@@ -85,6 +85,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
             cluster_ready_at = time.time()
             check_capacity(spec, wait_s=options.schedule_timeout_s)
             backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+            check_precision(spec, backend)
             run_id = open_run(
                 tracking_uri=tracking_uri,
                 experiment=spec.tracking.experiment,

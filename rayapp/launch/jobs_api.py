@@ -1,11 +1,6 @@
-"""Submit a job to a running Ray cluster through the Ray Jobs API (`--address http://HEAD:8265`).
-
-The laptop resolves and validates the job spec, writes it to a one-file working directory and
-submits ``python -m rayapp.remote submit job.yaml`` (the ``rayapp submit`` CLI, see :func:`job_main`)
-as a Ray job. The job's driver runs on the head node with ``cluster.address: auto``, i.e. on the
-cluster it was submitted to, and logs to the MLflow tracking server named in the spec. This side then streams the job's output and reports
-how it ended; ``rayapp status``, ``rayapp logs`` and ``rayapp stop`` (:mod:`rayapp.cli_remote`)
-follow it later.
+"""The Ray Jobs API client rayapp uses (`--address http://HEAD:8265`): connect, submit, follow,
+stop. It returns data and raises :class:`RayappError` with one line saying what to do; printing,
+prompting and exit codes are the CLI's (:mod:`rayapp.cli.jobs`).
 
 Ray token authentication: the Jobs client sends the cluster's token when ``RAY_AUTH_MODE=token``
 is set and a token is found in ``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH`` or
@@ -17,250 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
-import re
-import secrets
-import shlex
-import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Any, Iterator, Optional
-from urllib.parse import urlparse
-
-import click
+from typing import Any, Callable, Iterator, Optional
 
 from rayapp.errors import RayappError
-from rayapp.spec import JobSpec
-from rayapp.tracking.run import resolve_tracking_uri
 
 DEFAULT_DASHBOARD_ADDRESS = "http://127.0.0.1:8265"
-EXIT_INTERRUPTED = 130
-JOB_FILE = "job.yaml"
-# The job's driver runs `python -m rayapp.remote submit job.yaml ...`: the `rayapp` CLI, entered
-# through job_main() below so that `rayapp stop` can interrupt it.
-JOB_ENTRY_MODULE = "rayapp.launch.jobs_api"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_TIMEOUT_S = 60.0
 # How long a submission retries while the head has no job agent yet (right after `ray up`).
 AGENT_WAIT_S = 30.0
-# After `rayapp stop` the driver gets SIGINT (not Ray's default SIGTERM, which ends Python without
-# running cleanup), so it aborts training, closes its MLflow run and releases the workers; it is
-# SIGKILLed only if it has not exited after this long.
-DRIVER_STOP_GRACE_S = 30
-# MLflow client settings (never credentials) that the job's driver inherits from this terminal.
-MLFLOW_SETTINGS_PASSED_ON = (
-    "MLFLOW_HTTP_REQUEST_TIMEOUT",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
-    "MLFLOW_TRACKING_INSECURE_TLS",
-)
 TUNNEL_HINT = (
     "for a cloud cluster, open the SSH tunnel first with `ray dashboard cluster_configs/<cloud>.yaml` "
     f"and use --address {DEFAULT_DASHBOARD_ADDRESS}"
 )
 
 
-# ---- submit ---------------------------------------------------------------------------
-
-
-def submit_remote(spec: JobSpec, *, job_yaml: Optional[str], detach: bool, schedule_timeout_s: float) -> int:
-    """Submit `spec` as a Ray job to the Jobs API at spec.cluster.address; returns the exit code.
-
-    job_yaml is only the file the spec was read from; the job runs the resolved spec, so the
-    flags given here (--nodes, --epochs, ...) hold on the cluster too.
-    """
-    address = normalize_address(spec.cluster.address or DEFAULT_DASHBOARD_ADDRESS)
-    tracking_uri = cluster_tracking_uri(spec, address)
-    client = connect(address)
-    submission_id = new_submission_id(spec.name)
-    entrypoint = " ".join(
-        shlex.quote(part)
-        for part in ("python", "-m", JOB_ENTRY_MODULE, "submit", JOB_FILE, "--schedule-timeout", f"{schedule_timeout_s:g}")
-    )
-    with tempfile.TemporaryDirectory(prefix="rayapp-job-") as working_dir:
-        Path(working_dir, JOB_FILE).write_text(remote_job_yaml(spec, tracking_uri), encoding="utf-8")
-        submit = functools.partial(
-            client.submit_job,
-            entrypoint=entrypoint,
-            submission_id=submission_id,
-            runtime_env={"working_dir": working_dir, "env_vars": driver_env_vars(tracking_uri)},
-            metadata={
-                "rayapp_job": spec.name,
-                "rayapp_nodes": str(spec.cluster.nodes),
-                "rayapp_job_file": str(job_yaml or ""),
-            },
-        )
-        try:
-            submit_with_retry(submit, address)
-        except KeyboardInterrupt:
-            click.secho(
-                f"rayapp: error: interrupted while submitting; the job may have been submitted as {submission_id}: "
-                f"rayapp status --address {address}",
-                err=True, fg="red",
-            )
-            return EXIT_INTERRUPTED
-    echo = click.echo
-    click.secho(f"submitted {submission_id} to {address}", bold=True)
-    echo(f"  job {spec.name!r}: {spec.world_size} worker(s) on {spec.cluster.nodes} node(s); MLflow: {tracking_uri}")
-    if "://" not in spec.cluster.storage_path:
-        echo(
-            f"  note: checkpoints go to {spec.cluster.storage_path!r} on the cluster's nodes; on a multi-machine "
-            "cluster pass shared storage, e.g. --storage-path s3://BUCKET/rayapp"
-        )
-    print_follow_commands(submission_id, address)
-    if detach:
-        return 0
-    return follow(client, submission_id, address)
-
-
-def submit_with_retry(submit: Any, address: str) -> None:
-    deadline = time.monotonic() + AGENT_WAIT_S
-    while True:
-        try:
-            with api_errors(address):
-                submit()
-            return
-        except RayappError as exc:
-            # A cluster that has just started has no job agent registered yet; Ray says "try again later".
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(2.0)
-
-
-def print_follow_commands(submission_id: str, address: str) -> None:
-    click.echo(f"  status: rayapp status {submission_id} --address {address}")
-    click.echo(f"  logs:   rayapp logs {submission_id} -f --address {address}")
-    click.echo(f"  stop:   rayapp stop {submission_id} --address {address}")
-
-
-def follow(client: Any, submission_id: str, address: str) -> int:
-    """Stream the job's logs until it ends; 0 if it SUCCEEDED, else 1. Ctrl-C asks: stop or detach."""
-    click.echo("streaming the job's output (Ctrl-C to stop or detach):")
-    try:
-        stream_logs(client, submission_id, address)
-        info = wait_for_terminal(client, submission_id, address, timeout_s=60.0)
-    except KeyboardInterrupt:
-        return on_interrupt(client, submission_id, address)
-    status = str(info.status)
-    if status == "SUCCEEDED":
-        click.secho(f"job {submission_id} SUCCEEDED", fg="green")
-        return 0
-    if status not in TERMINAL_STATUSES:
-        click.secho(
-            f"rayapp: error: the log stream ended while job {submission_id} is still {status}; "
-            f"follow it with rayapp logs {submission_id} -f --address {address}",
-            err=True, fg="red",
-        )
-        return 1
-    # Ray appends the driver's last output to the message; it has just been streamed above.
-    message = re.sub(r",? *last available logs.*$", "", one_line(info.message or "")).rstrip(" :")
-    detail = f": {message}" if message else ""
-    click.secho(f"rayapp: error: job {submission_id} ended {status}{detail}", err=True, fg="red")
-    return 1
-
-
-def on_interrupt(client: Any, submission_id: str, address: str) -> int:
-    """Ctrl-C while following a job: stop it, or leave it running (the default)."""
-    click.echo("")
-    if not sys.stdin.isatty():
-        click.echo(f"interrupted; no terminal to ask whether to stop it, so job {submission_id} keeps running (detached)")
-        print_follow_commands(submission_id, address)
-        return 0
-    try:
-        choice = click.prompt(
-            f"interrupted: stop job {submission_id}, or detach and leave it running?",
-            type=click.Choice(["detach", "stop"]),
-            default="detach",
-        )
-    except (click.Abort, KeyboardInterrupt, EOFError):
-        choice = "detach"
-    if choice == "detach":
-        click.echo(f"detached; job {submission_id} keeps running")
-        print_follow_commands(submission_id, address)
-        return 0
-    click.echo(f"stopping job {submission_id} ...")
-    try:
-        status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
-    except KeyboardInterrupt:
-        click.echo(f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}")
-        return EXIT_INTERRUPTED
-    click.echo(f"job {submission_id} {status}")
-    return EXIT_INTERRUPTED
-
-
-# ---- the spec the cluster runs ---------------------------------------------------------
-
-
 def normalize_address(address: str) -> str:
     return address.strip().rstrip("/")
-
-
-def cluster_tracking_uri(spec: JobSpec, address: str) -> str:
-    """The tracking URI the job's driver will use; refused when it names a store on this machine."""
-    given = spec.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    uri = resolve_tracking_uri(spec.tracking.tracking_uri)
-    if is_local_store(uri):
-        source = "--tracking-uri" if spec.tracking.tracking_uri else (
-            "$MLFLOW_TRACKING_URI" if given else "the default MLflow store"
-        )
-        raise RayappError(
-            f"{source} {uri!r} is a store on this machine, which the Ray cluster at {address} cannot write to; "
-            "pass --tracking-uri http://MLFLOW_HOST:5000 (the team's `mlflow server`, see docs/clusters.md)"
-        )
-    return uri
-
-
-def is_local_store(uri: str) -> bool:
-    """sqlite:, file: and plain paths resolve on the laptop; servers and databases do not."""
-    if uri.startswith("databricks"):
-        return False
-    scheme = urlparse(uri).scheme.lower()
-    return scheme in ("", "file", "sqlite") or len(scheme) == 1  # len 1: a Windows drive letter
-
-
-def remote_job_yaml(spec: JobSpec, tracking_uri: str) -> str:
-    """The resolved spec as a job YAML the loader accepts, pointed at the cluster it runs on."""
-    import yaml
-
-    document = _plain(dataclasses.asdict(spec))
-    document["cluster"]["address"] = "auto"
-    document["tracking"]["tracking_uri"] = tracking_uri
-    return (
-        f"# Resolved job spec submitted by `rayapp submit --address` for job {spec.name!r}.\n"
-        + yaml.safe_dump(document, sort_keys=False)
-    )
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
-def driver_env_vars(tracking_uri: str) -> dict[str, str]:
-    env = {
-        "MLFLOW_TRACKING_URI": tracking_uri,
-        "RAY_JOB_STOP_SIGNAL": "SIGINT",
-        "RAY_JOB_STOP_WAIT_TIME_S": str(DRIVER_STOP_GRACE_S),
-    }
-    for name in MLFLOW_SETTINGS_PASSED_ON:
-        if os.environ.get(name):
-            env[name] = os.environ[name]
-    return env
-
-
-def new_submission_id(job_name: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_-]+", "-", job_name).strip("-")[:40] or "job"
-    return f"rayapp-{safe}-{secrets.token_hex(4)}"
-
-
-# ---- the Jobs API ----------------------------------------------------------------------
 
 
 def default_address() -> str:
@@ -361,13 +132,12 @@ def list_submissions(client: Any, address: str) -> list:
     return sorted(submitted, key=lambda job: job.start_time or 0, reverse=True)
 
 
-def stream_logs(client: Any, submission_id: str, address: str) -> None:
-    """Write the job's output to this terminal as it comes, until the job ends."""
+def stream_logs(client: Any, submission_id: str, address: str, write: Callable[[str], None]) -> None:
+    """Hand the job's output to `write` as it comes, until the job ends."""
 
     async def pump() -> None:
         async for chunk in client.tail_job_logs(submission_id):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+            write(chunk)
 
     job_info(client, submission_id, address)  # an unknown id fails here, in one line
     try:
@@ -381,12 +151,11 @@ def stream_logs(client: Any, submission_id: str, address: str) -> None:
         ) from None
 
 
-def print_logs(client: Any, submission_id: str, address: str) -> None:
+def job_logs(client: Any, submission_id: str, address: str) -> str:
+    """The job's output so far."""
     job_info(client, submission_id, address)
     with api_errors(address, submission_id):
-        text = client.get_job_logs(submission_id)
-    sys.stdout.write(text)
-    sys.stdout.flush()
+        return client.get_job_logs(submission_id)
 
 
 def wait_for_terminal(client: Any, submission_id: str, address: str, *, timeout_s: float) -> Any:
@@ -421,24 +190,15 @@ def one_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-# ---- the job's driver, on the cluster ----------------------------------------------------
-
-
-def job_main() -> None:
-    """`python -m rayapp.remote submit job.yaml ...`: the `rayapp` CLI as a Ray job's driver.
-
-    Ray starts job drivers with SIGINT ignored (inherited from its worker processes), and Python
-    then leaves it ignored, so the SIGINT `rayapp stop` sends would do nothing until Ray's SIGKILL.
-    Restoring Python's handler turns it into KeyboardInterrupt: the driver marks its MLflow run
-    KILLED and shuts down its Ray Train workers, as after Ctrl-C in a terminal.
-    """
-    import signal
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rayapp.cli import main
-
-    main(prog_name="rayapp")
-
-
-if __name__ == "__main__":
-    job_main()
+def submit_with_retry(submit: Any, address: str) -> None:
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            with api_errors(address):
+                submit()
+            return
+        except RayappError as exc:
+            # A cluster that has just started has no job agent registered yet; Ray says "try again later".
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)

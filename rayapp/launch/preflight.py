@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from rayapp.errors import RayappError
-from rayapp.spec import JobSpec
+from rayapp.spec import JobSpec, SpecError
 
 
 def resolve_backend(requested: str, *, gpus_in_cluster: float) -> str:
@@ -87,3 +87,35 @@ def _request_bundles(spec: JobSpec | None, *, use_gpu: bool = False) -> None:
     if use_gpu:
         bundle["GPU"] = spec.cluster.workers_per_node
     request_resources(bundles=[bundle] * spec.cluster.nodes)
+
+
+def check_local_machine(spec: JobSpec) -> None:
+    """For the embedded cluster, which runs on this machine: what the job needs that it lacks,
+    as a SpecError before anything starts. A remote cluster is checked once connected."""
+    if spec.cluster.address:
+        return
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec.cluster.backend == "nccl" and not gpus:
+        raise SpecError("cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto")
+    if spec.single_process and gpus < 2:
+        raise SpecError(
+            f"train.strategy: {spec.train.strategy!r} needs at least 2 CUDA GPUs on one node and this machine "
+            f"has {gpus}; use ddp or fsdp (they run on CPUs too)"
+        )
+    if spec.cluster.backend == "mpi" and not dist.is_mpi_available():
+        raise SpecError(
+            "cluster.backend: 'mpi' is not available in this torch build (no MPI support); build PyTorch "
+            "from source against an MPI library (USE_MPI=1), or use gloo (CPU) / nccl (GPU)"
+        )
+    if spec.train.precision == "fp16" and not gpus:
+        raise SpecError("train.precision: 'fp16' is not accepted on CPUs (no CUDA GPU here; fp16 needs loss "
+                        "scaling on a GPU); use bf16, which CPUs run, or fp32")
+
+
+def check_precision(spec: JobSpec, backend: str) -> None:
+    """fp16 trains on GPUs only; on a connected cluster the backend says whether it has any."""
+    if spec.train.precision == "fp16" and backend != "nccl":
+        raise SpecError(f"train.precision: 'fp16' is not accepted on a {backend} (CPU) cluster; use bf16 or fp32")

@@ -137,3 +137,21 @@ def load_spec(path: str | Path, overrides: Optional[Mapping[str, Any]] = None) -
     """Read a job YAML and apply overrides; the job name defaults to the file's stem."""
     document = read_job_yaml(path)
     return build_spec(document, overrides, default_name=Path(path).stem)
+
+
+def spec_document(spec: JobSpec) -> dict[str, Any]:
+    """The spec as a job document :func:`build_spec` accepts (plain lists, YAML key aliases), so a
+    resolved spec can be written out and read back as the same spec."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        return value
+
+    document = plain(dataclasses.asdict(spec))
+    for section, aliases in YAML_ALIASES.items():
+        for yaml_key, field_name in aliases.items():
+            document[section][yaml_key] = document[section].pop(field_name)
+    return document
