@@ -122,7 +122,22 @@ def test_malformed_user_code_fields(tmp_path, job, message):
 
 def test_script_that_does_not_exist(tmp_path):
     result = CliRunner().invoke(main, ["submit", "--script", str(tmp_path / "train.py")])
-    assert_bad_input(result, "--script:", "does not exist")
+    assert_bad_input(result, "train.script:", "does not exist")
+
+
+def test_a_job_files_script_is_found_beside_the_job_file(tmp_path, monkeypatch):
+    """train.script in a job YAML is relative to the YAML's directory, wherever rayapp runs from."""
+    from rayapp.driver.submit import prepare_user_code
+    from rayapp.spec.loader import load_spec
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+    job = tmp_path / "code" / "job.yaml"
+    job.write_text("name: s\ntrain: {script: train.py, script_args: ['--epochs', '2']}\n")
+    monkeypatch.chdir(tmp_path)  # not the job's directory
+    spec, runtime_env = prepare_user_code(load_spec(job), str(job), lambda _: None)
+    assert spec.train.script == "train.py" and spec.train.script_args == ("--epochs", "2")
+    assert Path(runtime_env["working_dir"]) == tmp_path / "code"
 
 
 def test_large_files_are_left_out_of_the_upload_and_named(tmp_path):

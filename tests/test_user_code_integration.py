@@ -48,7 +48,7 @@ def test_factories_train_a_cnn_on_digits(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "your code travels to the workers from" in result.stdout
     client = mlflow_client(workdir)
-    run = only_run(client)
+    run = only_run(client, "cnn_digits")
     epochs = int(run.data.params["epochs"])
     assert steps(client, run.info.run_id, "test_accuracy") == list(range(epochs))
     assert run.data.metrics["test_accuracy"] >= 0.95
@@ -70,7 +70,7 @@ def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path):
             process.kill()
     assert process.returncode == 0, output[-3000:]
     client = mlflow_client(workdir)
-    run = only_run(client)
+    run = only_run(client, "char_gpt")
     assert run.info.status == "FINISHED"
     assert run.data.tags[TAG_ATTEMPTS] == "2"
     for key in ("loss", "val_loss", "tokens_per_s", "epoch_time_s"):
@@ -92,7 +92,7 @@ def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tm
     code, workdir = example("article_ddp", tmp_path), tmp_path / "run"
     workdir.mkdir()
     process = start_rayapp("submit", "--nodes", "2", "--max-failures", "1", "--script", str(code / "train.py"),
-                           "--", "--epochs", "6", "--steps", "40", cwd=workdir)
+                           "--", "--epochs", "6", "--steps", "300", cwd=workdir)
     try:
         wait_for_line(process, "training on 2 worker(s)")
         deadline = time.monotonic() + 300

@@ -144,11 +144,9 @@ def prepare_user_code(spec: JobSpec, job_file: Optional[str], status: Callable[[
 
     code_dir = working_dir.code_directory(spec, job_file)
     if spec.train.script is not None:
-        script = Path(spec.train.script).expanduser().resolve()
-        if not script.is_file():
-            raise SpecError(f"--script: {spec.train.script!r} does not exist; pass the path of a Python training script")
+        script = _script_path(spec.train.script, job_file)
         if code_dir is None or not script.is_relative_to(code_dir):
-            raise SpecError(f"--script: {spec.train.script!r} is outside the working directory {str(code_dir)!r} "
+            raise SpecError(f"train.script: {spec.train.script!r} is outside the working directory {str(code_dir)!r} "
                             "that travels to the workers; pass --working-dir with a directory that holds it")
         spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, script=script.relative_to(code_dir).as_posix()))
     check_user_code(spec, code_dir)
@@ -159,6 +157,19 @@ def prepare_user_code(spec: JobSpec, job_file: Optional[str], status: Callable[[
         status(f"left out of the code upload: {relative} ({size / 2**20:.0f} MiB; put data in shared storage)")
     status(f"your code travels to the workers from {upload.path} ({upload.total_bytes / 2**10:.0f} KiB)")
     return spec, upload.runtime_env()
+
+
+def _script_path(script: str, job_file: Optional[str]) -> Path:
+    """The script as given (--script: relative to the current directory), else, for a job file's
+    train.script, relative to that file's directory."""
+    candidates = [Path(script).expanduser()]
+    if job_file and not candidates[0].is_absolute():
+        candidates.append(Path(job_file).parent / script)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise SpecError(f"train.script: {script!r} does not exist; pass the path of a Python training script "
+                    "(--script: relative to the current directory; in a job file: to the file's directory)")
 
 
 def _fit_interruptibly(trainer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from datetime import datetime
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -51,8 +52,8 @@ def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: C
     (console or wide_console()).print(table)
 
 
-def wide_console() -> Console:
+def wide_console(**options: Any) -> Console:
     """A terminal console as usual; when piped or captured, wide enough that rows do not wrap."""
     import sys
 
-    return Console() if sys.stdout.isatty() else Console(width=220)
+    return Console(**options) if sys.stdout.isatty() else Console(width=220, **options)

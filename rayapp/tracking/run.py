@@ -172,6 +172,19 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
+def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
+    """The run's page in the MLflow UI when the store is a tracking server, else None."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    try:
+        experiment_id = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    except Exception:  # the server went away after the run: the store line still says where it is
+        return None
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def fallback_path(storage_path: str, trial_name: str, run_id: str) -> str:
     """Where undelivered MLflow records go: beside the checkpoints when storage is a local or NFS
     path; in this node's temp directory when it is an object store (s3://, gs://)."""

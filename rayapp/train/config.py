@@ -26,3 +26,8 @@ class WorkerConfig:
         """A warning for the person at the submitting terminal."""
         if self.progress is not None:
             self.progress.put_nowait({"message": message})
+
+    def echo(self, line: str) -> None:
+        """A line of the job's own output (a script's stdout) for the submitting terminal."""
+        if self.progress is not None:
+            self.progress.put_nowait({"output": line})

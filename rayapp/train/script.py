@@ -40,13 +40,20 @@ def script_loop(ctx: TrainContext) -> None:
     started = time.perf_counter()
     # In the working dir, as torchrun runs a script where it was launched: relative paths the
     # script opens resolve as they did on the submitting machine.
+    # Rank 0's stdout is also shown at the submitting terminal, as torchrun shows it.
+    stdout = subprocess.PIPE if ctx.is_chief and ctx.config.progress is not None else None
     child = subprocess.Popen([sys.executable, str(script), *spec.train.script_args], env=env, cwd=script.parent,
-                             stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_die_with_parent)
+                             stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace",
+                             preexec_fn=_die_with_parent)
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES_KEPT)
-    reader = threading.Thread(target=_tee_stderr, args=(child, tail), daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=_tee_stderr, args=(child, tail), daemon=True)]
+    if stdout is not None:
+        readers.append(threading.Thread(target=_echo_stdout, args=(child, ctx.config.echo), daemon=True))
+    for reader in readers:
+        reader.start()
     code = child.wait()
-    reader.join(timeout=5)
+    for reader in readers:
+        reader.join(timeout=5)
 
     # -- every rank's outcome, in rank order
     outcomes: list = [None] * ctx.world_size
@@ -104,6 +111,16 @@ def _tee_stderr(child: subprocess.Popen, tail: collections.deque) -> None:
     for line in child.stderr:
         sys.stderr.write(line)
         tail.append(line)
+
+
+def _echo_stdout(child: subprocess.Popen, echo) -> None:
+    """Rank 0's stdout into the worker's log and on to the submitting terminal."""
+    for line in child.stdout:
+        sys.stdout.write(line)
+        try:
+            echo(line)
+        except Exception:  # the queue is gone (the job is ending): the worker's log keeps the line
+            pass
 
 
 def _die_with_parent() -> None:
