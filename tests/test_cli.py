@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from click.testing import CliRunner
 
@@ -30,6 +35,11 @@ def test_help_has_examples():
         (["--strategy", "pipeline"], "train.strategy: 'pipeline' is not accepted"),
         (["--epochs", "0"], "train.epochs: 0"),
         (["--lr", "0"], "train.lr: 0.0"),
+        (["--precision", "fp8"], "train.precision: 'fp8' is not accepted; use one of: fp32, bf16, fp16"),
+        (["--checkpoint-every", "0"], "checkpoint.every_epochs: 0 is not accepted"),
+        (["--log-every-steps", "-1"], "tracking.log_every_steps: -1 is not accepted"),
+        (["--system-metrics-interval", "-2"], "tracking.system_metrics_s: -2.0 is not accepted"),
+        (["--precision", "fp16"], "fp16"),  # on a machine with no GPU: names what CPUs accept
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, message):
@@ -91,3 +101,29 @@ def test_multi_gpu_strategies_without_gpus_exit_2(strategy):
     result = invoke("submit", str(JOBS / "digits_mlp.yaml"), "--strategy", strategy)
     assert result.exit_code == 2
     assert f"'{strategy}' needs at least 2 CUDA GPUs on one node and this machine has 0" in result.output
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGHUP, 129), (signal.SIGTERM, 143)])
+def test_a_hangup_or_terminate_ends_a_command_like_ctrl_c_with_128_plus_the_signal(signum, exit_code):
+    """A closed terminal (SIGHUP) or a `kill` (SIGTERM) runs the same clean-up as Ctrl-C: the
+    signal becomes an exception in the main thread, and the CLI exits 128 + its number."""
+    program = textwrap.dedent(f"""
+        import os, signal, time
+        from rayapp.cli.common import friendly_errors
+        from rayapp.driver.signals import raise_on_termination
+
+        @friendly_errors
+        def command():
+            raise_on_termination()
+            try:
+                os.kill(os.getpid(), {int(signum)})
+                time.sleep(30)
+            finally:
+                print("clean-up ran", flush=True)
+
+        command()
+    """)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert result.returncode == exit_code, result.stderr
+    assert "clean-up ran" in result.stdout
+    assert f"terminated by {signal.Signals(signum).name}" in result.stderr and "Traceback" not in result.stderr

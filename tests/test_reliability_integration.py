@@ -41,19 +41,24 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
         assert steps == list(range(epochs)), f"{key} logged at {steps}"
 
 
-def test_ctrl_c_stops_cluster_and_marks_run_killed(workdir):
+@pytest.mark.parametrize("signum, exit_code, said", [
+    (signal.SIGINT, 130, "interrupted;"),                # Ctrl-C
+    (signal.SIGTERM, 143, "terminated by SIGTERM;"),     # kill, a scheduler's stop, systemd
+])
+def test_ctrl_c_or_sigterm_stops_cluster_and_marks_run_killed(workdir, signum, exit_code, said):
     process = start_rayapp("submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir)
     try:
         wait_for_line(process, "  1/200  loss")
         started = descendants(process.pid)
         assert any("raylet" in cmdline(pid) for pid in started)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 130, output[-3000:]
-    assert "interrupted" in output and "Traceback" not in output
+    assert process.returncode == exit_code, output[-3000:]
+    assert said in output and "Traceback" not in output
+    assert "SIGTERM received" not in output  # Ray's own handler did not take over
     time.sleep(1)
     assert not [pid for pid in started if alive(pid)], "processes of the embedded cluster outlived rayapp"
     client = mlflow_client(workdir)

@@ -23,7 +23,8 @@ def assert_one_value_per_epoch(client, run_id: str, epochs: int, keys=EPOCH_METR
 
 
 def test_seed_linear_on_two_nodes(workdir):
-    result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", "--log-every-steps", "25",
+                        "--system-metrics-interval", "0.5", str(JOBS / "seed_linear.yaml"), cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     # Progress on the submitting terminal: every epoch, then the run id.
     assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
@@ -52,6 +53,17 @@ def test_seed_linear_on_two_nodes(workdir):
     assert all(0 < c < e for c, e in zip(comm, epoch)), (comm, epoch)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert "model/model_state_dict.pt" in artifacts
+
+    # Why a run scales or not: start-up phases, step-level metrics, each node's system metrics.
+    for key in ("startup_cluster_s", "startup_workers_s"):
+        assert 0 < run.data.metrics[key] < run.data.metrics["time_to_first_step_s"], key
+    step_losses = client.get_metric_history(run.info.run_id, "step_loss")
+    assert [m.step for m in step_losses] == list(range(25, 201, 25))  # 100 steps an epoch, every 25th
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "step_samples_per_s")} == set(range(25, 201, 25))
+    for ip in ("127.0.0.2", "127.0.0.3"):
+        assert f"system/{ip}/cpu_utilization_percentage" in run.data.metrics, sorted(run.data.metrics)
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):

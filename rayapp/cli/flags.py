@@ -12,6 +12,9 @@ from rayapp.spec.overrides import BY_FLAG, OVERRIDES, Override
 
 
 def _option(row: Override, **changes) -> Callable:
+    if row.type is bool:  # --compile / --no-compile; unset keeps the job YAML's value
+        settings = {"default": None, "help": row.full_help, **changes}
+        return click.option(f"{row.flag}/--no-{row.flag[2:]}", row.dest, **settings)
     settings = {"type": row.type, "default": None, "help": row.full_help, **changes}
     return click.option(row.flag, row.dest, **settings)
 

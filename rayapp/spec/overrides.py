@@ -60,6 +60,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("--max-failures", "cluster.max_failures", int, "Worker failures to recover from."),
     Override("--cpus-per-worker", "cluster.cpus_per_worker", int, "CPUs reserved per worker."),
     Override("--precision", "train.precision", str, f"{_choices(PRECISIONS)}; bf16/fp16 train in mixed precision."),
+    Override("--compile", "train.compile", bool, "torch.compile the model (after the strategy wraps it)."),
     Override("--checkpoint-every", "checkpoint.every_epochs", int,
              "Checkpoint after every K-th epoch (and always after the last)."),
     Override("--log-every-steps", "tracking.log_every_steps", int, "Log step_loss every N steps; 0: off."),
