@@ -6,12 +6,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
+
+# A warm cluster that the person running the tests keeps up (`rayapp cluster up`) must not serve
+# the tests' jobs: the tests, and every rayapp they start, keep warm-cluster records of their own.
+os.environ["RAYAPP_STATE_DIR"] = tempfile.mkdtemp(prefix="rayapp-test-state-")
 
 
 def has_cuda() -> bool:

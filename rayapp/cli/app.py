@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rayapp.cli import jobs, runs, submit
+from rayapp.cli import cluster, jobs, runs, submit
 from rayapp.cli.common import CONTEXT_SETTINGS
 
 
@@ -19,9 +19,10 @@ def main() -> None:
       rayapp submit --nodes 4 --address HEAD:6379 jobs/mlp_synthetic.yaml
       rayapp runs                                          # recent runs as a table
       rayapp ui                                            # MLflow UI for the same store
+      rayapp cluster up --nodes 2                          # a warm cluster later jobs reuse
     """
 
 
 for command in (submit.submit, submit.bench, runs.runs, runs.compare, runs.ui, runs.import_metrics,
-                jobs.status, jobs.logs, jobs.stop):
+                jobs.status, jobs.logs, jobs.stop, cluster.cluster):
     main.add_command(command)

@@ -9,10 +9,12 @@ from typing import Callable, Iterator, Optional
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import local_gpus
 from rayapp.errors import RayappError
+from rayapp.launch import warm
 from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.spec import JobSpec
 
 ProgressCallback = Callable[[dict], None]
+WARM_LABEL = "local-warm"
 
 
 def first_line(exc: BaseException) -> str:
@@ -27,23 +29,36 @@ def first_line(exc: BaseException) -> str:
 @contextlib.contextmanager
 def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
                 runtime_env: Optional[dict] = None) -> Iterator[str]:
-    """Connect to spec.cluster.address, or start and finally stop an embedded cluster; yields its label.
+    """Connect to spec.cluster.address, else to the warm cluster (`rayapp cluster up`) when one
+    runs, else start and finally stop an embedded cluster; yields its label.
 
     runtime_env is the job's (the user's code as working_dir): Ray uploads it once, here, and every
     worker of the job runs in it."""
     import ray
 
+    def connect(address: str, node_ip: Optional[str], where: str) -> None:
+        try:
+            ray.init(address=address, _node_ip_address=node_ip, log_to_driver=verbose,
+                     logging_level="ERROR" if not verbose else "INFO", runtime_env=runtime_env)
+        except Exception as exc:  # ConnectionError, timeouts, bad scheme
+            raise RayappError(f"cannot connect to {where}: {first_line(exc)}") from None
+        raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
+
     address = spec.cluster.address
     try:
         if address:
             status(f"connecting to Ray cluster at {address}")
-            try:
-                ray.init(address=address, log_to_driver=verbose, logging_level="ERROR" if not verbose else "INFO",
-                         runtime_env=runtime_env)
-            except Exception as exc:  # ConnectionError, timeouts, bad scheme
-                raise RayappError(f"cannot connect to Ray cluster at {address!r}: {first_line(exc)}") from None
-            raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
+            connect(address, None, f"Ray cluster at {address!r}")
             yield address
+            return
+        running = warm.find(status)
+        if running is not None:
+            running.check_fits(spec.cluster.nodes)
+            status(f"using the warm cluster: {running.describe()} (`rayapp cluster down` stops it)")
+            running.prepare_client()
+            connect(running.address, running.head_ip,
+                    f"the warm cluster at {running.address} (node logs: {running.log_dir})")
+            yield WARM_LABEL
             return
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
         status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
@@ -51,20 +66,8 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
             nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node, gpus_per_node=local_gpus() // spec.cluster.nodes
         ) as cluster:
             cluster.prepare_client()
-            try:
-                ray.init(
-                    address=cluster.address,
-                    _node_ip_address=cluster.head_ip,
-                    log_to_driver=verbose,
-                    logging_level="ERROR" if not verbose else "INFO",
-                    runtime_env=runtime_env,
-                )
-            except Exception as exc:
-                raise RayappError(
-                    f"cannot connect to the embedded Ray cluster at {cluster.address}: {first_line(exc)}; "
-                    f"node logs are in {cluster.log_dir}"
-                ) from None
-            raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
+            connect(cluster.address, cluster.head_ip,
+                    f"the embedded Ray cluster at {cluster.address} (node logs: {cluster.log_dir})")
             cluster.wait_for_nodes()
             try:
                 yield "local"

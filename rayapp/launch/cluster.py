@@ -72,6 +72,8 @@ class EmbeddedCluster:
     """This machine's GPUs, dealt out to the nodes in disjoint sets (CUDA_VISIBLE_DEVICES per node)."""
     include_dashboard: bool = False
     log_dir: Optional[Path] = None
+    token: str = _PROCESS_TOKEN
+    """Ray's auth token for this cluster; a warm cluster has one of its own, kept in its state file."""
     address: str = ""
     dashboard_url: Optional[str] = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
@@ -82,21 +84,26 @@ class EmbeddedCluster:
     @property
     def auth_env(self) -> dict[str, str]:
         """Environment a client needs to connect: set it in os.environ before ray.init()."""
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _PROCESS_TOKEN}
+        return auth_env(self.token)
 
     def prepare_client(self) -> None:
-        """Point this process's Ray client at the cluster's token, before ray.init().
+        """Point this process's Ray client at the cluster's token, before ray.init()."""
+        use_token(self.token)
 
-        Ray caches auth state in the process after its first ray.init(); a second cluster in the
-        same process (a sweep) is refused unless that cache is reset.
-        """
-        os.environ.update(self.auth_env)
-        try:
-            from ray._raylet import AuthenticationTokenLoader, Config
-        except ImportError:  # Ray without token auth: nothing cached
-            return
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+    @property
+    def leaders(self) -> dict[int, str]:
+        """The live `ray start --block` processes, pid -> start time (tells a reused pid apart)."""
+        return {p.pid: started for p in self._processes if (started := start_time(p.pid)) is not None}
+
+    @property
+    def temp_dirs(self) -> list[str]:
+        return [d for d in [self._temp_dir, *self._node_temp_dirs] if d]
+
+    def detach(self) -> None:
+        """Forget the nodes without stopping them: they run on after this process exits (a warm
+        cluster), and :func:`stop_leaders` stops them later from any process."""
+        self._processes.clear()
+        self._temp_dir, self._node_temp_dirs, self._owns_log_dir = None, [], False
 
     @property
     def head_ip(self) -> str:
@@ -235,6 +242,44 @@ class EmbeddedCluster:
         self._temp_dir, self._node_temp_dirs = None, []
 
 
+def auth_env(token: str) -> dict[str, str]:
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def use_token(token: str) -> None:
+    """Point this process's Ray client at a cluster's token, before ray.init().
+
+    Ray caches auth state in the process after its first ray.init(); a second cluster in the
+    same process (a sweep) is refused unless that cache is reset.
+    """
+    os.environ.update(auth_env(token))
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # Ray without token auth: nothing cached
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def stop_leaders(leaders: dict[int, str]) -> None:
+    """Stop nodes this process did not start (a warm cluster's), as :meth:`EmbeddedCluster.stop`
+    does: SIGTERM each `ray start --block` leader, SIGKILL what is left of its session and of every
+    process below it. Only these pids, and only while their start time still matches."""
+    live = {pid: started for pid, started in leaders.items() if start_time(pid) == started}
+    tree = _descendants(list(live))
+    for pid in reversed(list(live)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(start_time(pid) == started for pid, started in live.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, started in live.items():
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # each leader leads its own session: pgid == pid
+    _kill_and_wait({**tree, **live}, timeout_s=STOP_TIMEOUT_S)
+
+
 def _signal_session(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
@@ -242,7 +287,7 @@ def _signal_session(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _start_time(pid: int) -> Optional[str]:
+def start_time(pid: int) -> Optional[str]:
     """The process's start time in clock ticks, or None once it has exited (a zombie has exited).
 
     Compared with a snapshot, it tells the same process from a later one that reuses the pid."""
@@ -273,7 +318,7 @@ def _descendants(roots: list[int]) -> dict[int, str]:
     stack = list(roots)
     while stack:
         for child in children.get(stack.pop(), []):
-            started = _start_time(child)
+            started = start_time(child)
             if started is not None:
                 found[child] = started
                 stack.append(child)
@@ -286,7 +331,7 @@ def _kill_and_wait(tree: dict[int, str], *, timeout_s: float) -> None:
     Ray workers run in process groups of their own, so the SIGKILL to each node's group misses them;
     left alone they exit when they notice their raylet is gone, which can take seconds."""
     def survivors() -> list[int]:
-        return [pid for pid, started in tree.items() if _start_time(pid) == started]
+        return [pid for pid, started in tree.items() if start_time(pid) == started]
 
     for pid in survivors():
         with contextlib.suppress(ProcessLookupError, PermissionError):

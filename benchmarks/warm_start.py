@@ -1,0 +1,97 @@
+"""Cold vs warm submit: what `rayapp cluster up` saves on a short job, measured in one run.
+
+Alternates a cold submit (rayapp starts and stops its own embedded cluster) with a warm one (the
+cluster `rayapp cluster up` left running), `--rounds` times each, on the same job, and prints the
+wall time of the whole command and each start-up phase the run logged in MLflow
+(`startup_cluster_s`, `startup_workers_s`, `time_to_first_step_s`), with the warm/cold ratio of the
+medians. Alternating spreads whatever else the machine does over both sides.
+
+    python benchmarks/warm_start.py                          # seed_linear, 2 nodes, 3 epochs, 3 rounds
+    python benchmarks/warm_start.py --rounds 5 --job jobs/mlp_synthetic.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rayapp.tracking.run import STARTUP_METRICS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rayapp(*args: str, cwd: str, env: dict) -> float:
+    """Run the CLI; its wall time in seconds. Fails loudly: a failed submit is no measurement."""
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "rayapp", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"rayapp {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-500:]}")
+    return time.perf_counter() - started
+
+
+def newest_run_metrics(workdir: str) -> dict[str, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("rayapp")
+    (run,) = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    return run.data.metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default=str(REPO / "jobs" / "seed_linear.yaml"))
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    workdir = tempfile.mkdtemp(prefix="rayapp-warm-bench-")
+    # A state directory of this benchmark's own: a warm cluster the user keeps is neither used nor stopped.
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["RAYAPP_STATE_DIR"] = os.path.join(workdir, "state")
+    submit = ("submit", "--nodes", str(args.nodes), "--epochs", str(args.epochs), args.job)
+    figures: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+    up_s = rayapp("cluster", "up", "--nodes", str(args.nodes), cwd=workdir, env=env)
+    try:
+        for round_ in range(args.rounds):
+            for kind in ("cold", "warm"):
+                if kind == "cold":  # stop the warm one for the cold submit, then bring it back
+                    rayapp("cluster", "down", cwd=workdir, env=env)
+                wall = rayapp(*submit, cwd=workdir, env=env)
+                if kind == "cold":
+                    up_s = rayapp("cluster", "up", "--nodes", str(args.nodes), cwd=workdir, env=env)
+                metrics = newest_run_metrics(workdir)
+                figures[kind].append({"wall_s": wall, **{k: metrics.get(k, float("nan")) for k in STARTUP_METRICS}})
+                print(f"round {round_ + 1} {kind}: {wall:.1f} s", flush=True)
+    finally:
+        rayapp("cluster", "down", cwd=workdir, env=env)
+    report(figures, args, up_s)
+
+
+def report(figures: dict, args: argparse.Namespace, up_s: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{Path(args.job).name}, {args.nodes} nodes, {args.epochs} epochs: median of {args.rounds} "
+                        f"submits each, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores)")
+    for column in ("figure", "cold", "warm", "warm / cold"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for key in ("wall_s", *STARTUP_METRICS):
+        cold = statistics.median(f[key] for f in figures["cold"])
+        warm = statistics.median(f[key] for f in figures["warm"])
+        table.add_row(key, f"{cold:.2f} s", f"{warm:.2f} s", f"{warm / cold:.2f}" if cold else "-")
+    Console(width=160).print(table)
+    print(f"`rayapp cluster up --nodes {args.nodes}` itself: {up_s:.1f} s, paid once")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""`rayapp cluster up|status|down`: a warm embedded cluster that later submits and benches reuse."""
+
+from __future__ import annotations
+
+import click
+
+from rayapp.cli.common import CONTEXT_SETTINGS, friendly_errors
+from rayapp.cli.flags import shared_option
+
+
+def _say(message: str) -> None:
+    click.echo(f"rayapp: {message}")
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+def cluster() -> None:
+    """A warm embedded Ray cluster on this machine, kept running between jobs.
+
+    `rayapp submit` and `rayapp bench` with no --address use it while it runs, instead of
+    starting (and stopping) a cluster of their own: seconds saved on every job.
+
+    \b
+    Examples:
+      rayapp cluster up --nodes 2
+      rayapp submit --nodes 2 jobs/seed_linear.yaml     # says "using the warm cluster"
+      rayapp cluster status
+      rayapp cluster down
+    """
+
+
+@cluster.command(context_settings=CONTEXT_SETTINGS)
+@shared_option("--nodes", default=2, show_default=True,
+               help="Nodes to start: one raylet each, on 127.0.0.2, 127.0.0.3, ...")
+@click.option("--cpus-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPUs each node offers to training workers.")
+@friendly_errors
+def up(nodes: int, cpus_per_node: int) -> None:
+    """Start the warm cluster (exit 1 if one runs already)."""
+    from rayapp.driver.trainer import local_gpus
+    from rayapp.launch import warm
+    from rayapp.spec import SpecError
+
+    if nodes < 1:
+        raise SpecError(f"--nodes: {nodes} is not accepted; use a whole number >= 1")
+    record = warm.up(nodes, cpus_per_node, gpus_per_node=local_gpus() // nodes, status=_say)
+    _say(f"warm cluster up: {record.describe()}")
+    _say(f"record: {warm.state_file()}; stop it with `rayapp cluster down`")
+
+
+@cluster.command(context_settings=CONTEXT_SETTINGS)
+@friendly_errors
+def status() -> None:
+    """Whether the warm cluster runs, and where."""
+    from rayapp.launch import warm
+
+    record = warm.find(status=_say)
+    if record is None:
+        _say("no warm cluster is running; `rayapp cluster up` starts one")
+        return
+    _say(f"warm cluster: {record.describe()}")
+    _say(f"node processes: {', '.join(str(pid) for pid in record.leaders)}; logs: {record.log_dir}")
+
+
+@cluster.command(context_settings=CONTEXT_SETTINGS)
+@friendly_errors
+def down() -> None:
+    """Stop the warm cluster (exit 0 when none runs)."""
+    from rayapp.launch import warm
+
+    record = warm.down(status=_say)
+    if record is None:
+        _say("no warm cluster is running; nothing to stop")
+        return
+    _say("warm cluster stopped")

@@ -1,0 +1,161 @@
+"""A warm embedded cluster: started once by `rayapp cluster up`, used by every later submit and bench.
+
+Starting an embedded cluster costs several seconds of each short job. A warm one keeps its
+`ray start --block` nodes running after `rayapp cluster up` exits; a state file in the user's
+cache directory records where it listens, its node processes (pid and start time, so a pid reused
+after a reboot is not mistaken for a node) and its Ray auth token, so the file is the user's
+alone (mode 0600). `submit` and `bench` with no --address use it when it is alive;
+`rayapp cluster down` stops exactly the processes the file names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from rayapp.errors import RayappError
+from rayapp.launch.cluster import EmbeddedCluster, auth_env, start_time, stop_leaders, use_token
+from rayapp.spec import SpecError
+
+STATE_DIR_ENV = "RAYAPP_STATE_DIR"
+STATE_FILE_NAME = "cluster.json"
+
+
+def state_file() -> Path:
+    """$RAYAPP_STATE_DIR/cluster.json, else $XDG_CACHE_HOME/rayapp/, else ~/.cache/rayapp/."""
+    directory = os.environ.get(STATE_DIR_ENV)
+    if not directory:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(cache, "rayapp")
+    return Path(directory) / STATE_FILE_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmCluster:
+    address: str
+    head_ip: str
+    nodes: int
+    cpus_per_node: int
+    gpus_per_node: int
+    token: str
+    leaders: dict[int, str]
+    """`ray start --block` processes: pid -> start time."""
+    log_dir: str
+    temp_dirs: list[str]
+    started_at: float
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.leaders) and all(start_time(pid) == started for pid, started in self.leaders.items())
+
+    @property
+    def auth_env(self) -> dict[str, str]:
+        return auth_env(self.token)
+
+    def prepare_client(self) -> None:
+        use_token(self.token)
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.started_at))
+        return f"{self.nodes} node(s) x {self.cpus_per_node} CPU(s) at {self.address}, up since {since}"
+
+    def check_fits(self, nodes: int) -> None:
+        """A job may use the warm cluster's nodes or fewer of them, never more."""
+        if nodes > self.nodes:
+            raise SpecError(
+                f"cluster.nodes: {nodes} is more than the warm cluster's {self.nodes} node(s) ({self.address}); "
+                f"use --nodes {self.nodes} or fewer, or `rayapp cluster down` and `rayapp cluster up --nodes {nodes}`"
+            )
+
+
+def find(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster]:
+    """The warm cluster when one is alive; a record whose processes are gone is removed, and said."""
+    path = state_file()
+    try:
+        record = _read(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        path.unlink(missing_ok=True)
+        status(f"removed an unreadable warm-cluster record {path} ({exc})")
+        return None
+    if record.alive:
+        return record
+    stop_leaders(record.leaders)  # any node of it that is still up (one died, the rest did not)
+    _forget(record, path)
+    status(f"removed a stale warm-cluster record {path}: its nodes are gone (stopped, or the machine restarted)")
+    return None
+
+
+def up(nodes: int, cpus_per_node: int, gpus_per_node: int = 0,
+       status: Callable[[str], None] = lambda _: None) -> WarmCluster:
+    """Start a warm cluster and record it; RayappError if one is running already."""
+    running = find(status)
+    if running is not None:
+        raise RayappError(f"a warm cluster is already running: {running.describe()} "
+                          f"(record: {state_file()}); `rayapp cluster down` stops it")
+    import ray
+
+    status(f"starting a warm Ray cluster: {nodes} node(s) x {cpus_per_node} CPU(s)")
+    cluster = EmbeddedCluster(nodes=nodes, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node,
+                              token=secrets.token_hex(32))
+    try:
+        cluster.start()
+        cluster.prepare_client()
+        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False,
+                 logging_level="ERROR")
+        try:
+            cluster.wait_for_nodes()
+        finally:
+            ray.shutdown()
+        record = WarmCluster(
+            address=cluster.address, head_ip=cluster.head_ip, nodes=nodes, cpus_per_node=cpus_per_node,
+            gpus_per_node=gpus_per_node, token=cluster.token, leaders=cluster.leaders,
+            log_dir=str(cluster.log_dir), temp_dirs=cluster.temp_dirs, started_at=time.time(),
+        )
+        _write(record, state_file())
+    except BaseException:
+        cluster.stop(keep_logs=True)
+        raise
+    cluster.detach()  # the nodes run on; the record is how they are found and stopped
+    return record
+
+
+def down(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster]:
+    """Stop the warm cluster and remove its record; None when none was running."""
+    record = find(status)
+    if record is None:
+        return None
+    status(f"stopping the warm cluster: {record.describe()}")
+    stop_leaders(record.leaders)
+    _forget(record, state_file())
+    return record
+
+
+def _forget(record: WarmCluster, path: Path) -> None:
+    for directory in [*record.temp_dirs, record.log_dir]:
+        shutil.rmtree(directory, ignore_errors=True)
+    path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> WarmCluster:
+    values = json.loads(path.read_text())
+    values["leaders"] = {int(pid): started for pid, started in values["leaders"].items()}
+    return WarmCluster(**values)
+
+
+def _write(record: WarmCluster, path: Path) -> None:
+    """Readable by the user alone: the record holds the cluster's auth token."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = path.with_suffix(".tmp")
+    partial.unlink(missing_ok=True)  # os.open's mode applies only to a file it creates
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(dataclasses.asdict(record), handle, indent=2)
+    os.replace(partial, path)  # whole or not at all: a reader never sees half a record

@@ -1,0 +1,100 @@
+"""`rayapp cluster up|status|down` and submits that reuse a warm cluster: real Ray nodes on this
+machine, a real MLflow SQLite store, and the state file as a user's machine would have it."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from rayapp.launch import warm
+from rayapp.launch.cluster import start_time
+
+from conftest import JOBS, alive, descendants, mlflow_client, run_rayapp
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "state"
+    monkeypatch.setenv(warm.STATE_DIR_ENV, str(directory))
+    yield directory
+    record = None
+    try:
+        record = warm.find()
+    finally:
+        if record is not None:  # a failed assertion must not leave nodes running
+            warm.down()
+
+
+def node_tree(record: warm.WarmCluster) -> list[int]:
+    pids = list(record.leaders)
+    for leader in record.leaders:
+        pids += descendants(leader)
+    return pids
+
+
+def test_submits_reuse_the_warm_cluster_until_it_is_stopped(state_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = run_rayapp("cluster", "down", cwd=run_dir)
+    assert result.returncode == 0 and "no warm cluster is running" in result.stdout
+
+    result = run_rayapp("cluster", "up", "--nodes", "2", "--cpus-per-node", "1", cwd=run_dir)
+    assert result.returncode == 0, result.stderr
+    state = state_dir / warm.STATE_FILE_NAME
+    assert stat.S_IMODE(state.stat().st_mode) == 0o600  # it holds the cluster's auth token
+    record = warm.find()
+    assert record is not None and record.alive and record.nodes == 2
+    tree = node_tree(record)
+    assert any("raylet" in open(f"/proc/{pid}/cmdline").read() for pid in tree if alive(pid))
+
+    again = run_rayapp("cluster", "up", "--nodes", "2", cwd=run_dir)
+    assert again.returncode == 1 and record.address in again.stderr and "already running" in again.stderr
+
+    too_many = run_rayapp("submit", "--nodes", "3", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=run_dir)
+    assert too_many.returncode == 2
+    assert "cluster.nodes: 3 is more than the warm cluster's 2 node(s)" in too_many.stderr
+
+    for _ in range(2):  # the second submit finds the cluster as the first left it
+        result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", str(JOBS / "seed_linear.yaml"), cwd=run_dir)
+        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+        assert "using the warm cluster" in result.stdout and "starting embedded" not in result.stdout
+        assert warm.find() == record
+    client = mlflow_client(run_dir)
+    runs = client.search_runs([client.get_experiment_by_name("rayapp").experiment_id])
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    assert {r.data.tags["rayapp.cluster"] for r in runs} == {"local-warm"}
+    assert sorted(runs[0].data.tags["rayapp.node_ips"].split(",")) == ["127.0.0.2", "127.0.0.3"]
+
+    status = run_rayapp("cluster", "status", cwd=run_dir)
+    assert status.returncode == 0 and record.address in status.stdout
+
+    down = run_rayapp("cluster", "down", cwd=run_dir)
+    assert down.returncode == 0 and "warm cluster stopped" in down.stdout
+    assert not state.exists()
+    assert not [pid for pid in tree if alive(pid)], "processes of the warm cluster outlived `cluster down`"
+
+    # With none running, submit starts its own cluster as before.
+    cold = run_rayapp("submit", "--nodes", "1", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=run_dir)
+    assert cold.returncode == 0 and "starting embedded Ray cluster" in cold.stdout
+
+
+def test_a_stale_record_is_detected_removed_and_said(state_dir, tmp_path):
+    """After a reboot the record names processes that are gone (or pids now used by others)."""
+    state_dir.mkdir()
+    me = os.getpid()
+    stale = {"address": "127.0.0.2:6379", "head_ip": "127.0.0.2", "nodes": 2, "cpus_per_node": 1,
+             "gpus_per_node": 0, "token": "x", "log_dir": str(tmp_path / "logs"), "temp_dirs": [],
+             "started_at": 0.0,
+             # this test's own pid with another start time: a reused pid must not be taken for a node
+             "leaders": {str(me): str(int(start_time(me)) - 1)}}
+    (state_dir / warm.STATE_FILE_NAME).write_text(json.dumps(stale))
+    result = run_rayapp("cluster", "status", cwd=tmp_path)
+    assert result.returncode == 0
+    assert "removed a stale warm-cluster record" in result.stdout and "no warm cluster is running" in result.stdout
+    assert not (state_dir / warm.STATE_FILE_NAME).exists()
+    assert alive(me)
