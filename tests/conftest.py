@@ -164,9 +164,11 @@ def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) 
 class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 with a SQLite store, that a test can stop and restart."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, *, app_name: str | None = None,
+                 env: dict | None = None) -> None:
         from rayapp.launch.cluster import free_port
 
+        self.app_name, self.env = app_name, env or {}
         self.directory = directory
         self.port = port or free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
@@ -180,8 +182,11 @@ class MlflowServer:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend-store-uri", f"sqlite:///{self.directory / 'server.db'}",
-             "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1"],
+             "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1",
+             *(["--app-name", self.app_name] if self.app_name else [])],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=self.directory,  # where basic-auth keeps its user database
+            env={**os.environ, **self.env},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -109,3 +110,60 @@ def test_existing_cluster_runs_a_job(workdir, two_node_cluster):
     run = only_run(mlflow_client(workdir))
     assert run.data.tags["rayapp.cluster"] == two_node_cluster.address
     assert len(set(run.data.tags["rayapp.node_ids"].split(","))) == 2
+
+
+def kill_node(rayapp_pid: int, ip: str) -> None:
+    """Every process of one embedded node at once (its `ray start`, raylet and the workers on it),
+    as when a machine of a real cluster goes away."""
+    leaders = [pid for pid in descendants(rayapp_pid)
+               if f"--node-ip-address={ip}" in cmdline(pid) and " start " in cmdline(pid)]
+    assert leaders, f"no `ray start` process for node {ip} under rayapp"
+    for pid in [*leaders, *(child for leader in leaders for child in descendants(leader))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_losing_a_node_with_no_restarts_left_fails_fast_naming_it(workdir):
+    epochs = 300
+    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    try:
+        wait_for_line(process, f" 2/{epochs}  loss")
+        kill_node(process.pid, "127.0.0.3")
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+        took = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1, output[-3000:]
+    assert took < 60, f"the run took {took:.0f}s to fail after the node was lost"
+    message = output.strip().splitlines()[-1]
+    assert "node 127.0.0.3 was lost" in message and "marked FAILED" in message, message
+    run = only_run(mlflow_client(workdir))
+    assert run.info.status == "FAILED"
+    (trial_dir,) = (workdir / "rayapp_results").iterdir()
+    saved = newest_history(str(trial_dir))
+    logged = {m.step for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "loss")}
+    assert set(range(saved["epoch"] + 1)) <= logged, (saved["epoch"], sorted(logged))
+
+
+def test_a_lost_node_comes_back_and_training_resumes_in_the_same_run(workdir):
+    epochs = 20
+    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
+                           str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    try:
+        wait_for_line(process, f" 2/{epochs}  loss")
+        kill_node(process.pid, "127.0.0.3")
+        output, _ = process.communicate(timeout=400)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert "node 127.0.0.3 was lost" in output and "starting it again" in output
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_ATTEMPTS] == "2"
+    assert sorted(run.data.tags["rayapp.node_ips"].split(",")) == ["127.0.0.2", "127.0.0.3"]
+    for key in EPOCH_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(epochs)), key

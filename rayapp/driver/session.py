@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Callable, Iterator, Optional
 
@@ -26,11 +27,32 @@ def first_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(cause).__name__
 
 
+@dataclasses.dataclass
+class ClusterSession:
+    """The cluster a job runs on, while the driver is connected to it."""
+
+    label: str
+    """`local`, `local-warm`, or the address given: tagged on the run."""
+    embedded: Optional[EmbeddedCluster] = None
+
+    def lost_nodes(self) -> list[str]:
+        """IPs of nodes that died during the job. An embedded node's processes tell at once; Ray's
+        own view (a missed health check) comes seconds after the collectives have already failed."""
+        import ray
+
+        lost = set(self.embedded.exited_nodes()) if self.embedded is not None else set()
+        try:
+            lost |= {node["NodeManagerAddress"] for node in ray.nodes() if not node["Alive"]}
+        except Exception:  # the head itself is gone: nothing more to say than the error
+            pass
+        return sorted(lost)
+
+
 @contextlib.contextmanager
 def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
-                runtime_env: Optional[dict] = None) -> Iterator[str]:
+                runtime_env: Optional[dict] = None) -> Iterator[ClusterSession]:
     """Connect to spec.cluster.address, else to the warm cluster (`rayapp cluster up`) when one
-    runs, else start and finally stop an embedded cluster; yields its label.
+    runs, else start and finally stop an embedded cluster.
 
     runtime_env is the job's (the user's code as working_dir): Ray uploads it once, here, and every
     worker of the job runs in it."""
@@ -49,7 +71,7 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
         if address:
             status(f"connecting to Ray cluster at {address}")
             connect(address, None, f"Ray cluster at {address!r}")
-            yield address
+            yield ClusterSession(address)
             return
         running = warm.find(status)
         if running is not None:
@@ -58,7 +80,7 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
             running.prepare_client()
             connect(running.address, running.head_ip,
                     f"the warm cluster at {running.address} (node logs: {running.log_dir})")
-            yield WARM_LABEL
+            yield ClusterSession(WARM_LABEL)
             return
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
         status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
@@ -69,8 +91,10 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
             connect(cluster.address, cluster.head_ip,
                     f"the embedded Ray cluster at {cluster.address} (node logs: {cluster.log_dir})")
             cluster.wait_for_nodes()
+            if spec.cluster.max_failures > 0:
+                cluster.keep_nodes_up(status)  # a lost node comes back, as an autoscaler would bring one
             try:
-                yield "local"
+                yield ClusterSession("local", embedded=cluster)
             finally:
                 ray.shutdown()
     finally:

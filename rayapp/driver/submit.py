@@ -20,7 +20,9 @@ from rayapp.launch.preflight import check_capacity, check_precision, resolve_bac
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import (
     TAG_CLUSTER,
+    check_tracking_access,
     close_run,
+    credentials_from_env,
     environment_tags,
     fallback_path,
     job_params,
@@ -76,12 +78,13 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     # on to the controller; a value the user set wins.
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
+    check_tracking_access(tracking_uri)  # a refused password fails here, not after the cluster started
     spec, job_env = prepare_user_code(spec, options.job_file, status)
     run_id: Optional[str] = None
     fallback: Optional[str] = None
     outcome = "FAILED"
     try:
-        with ray_cluster(spec, verbose=options.verbose, status=status, runtime_env=job_env) as cluster_label:
+        with ray_cluster(spec, verbose=options.verbose, status=status, runtime_env=job_env) as cluster:
             cluster_ready_at = time.time()
             check_capacity(spec, wait_s=options.schedule_timeout_s)
             backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
@@ -91,7 +94,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 experiment=spec.tracking.experiment,
                 run_name=f"{spec.name}-n{spec.cluster.nodes}",
                 params=job_params(spec, backend),
-                tags={TAG_CLUSTER: cluster_label, **environment_tags(options.job_file)},
+                tags={TAG_CLUSTER: cluster.label, **environment_tags(options.job_file)},
                 parent_run_id=options.parent_run_id,
             )
             log_run_metrics(tracking_uri, run_id, {"startup_cluster_s": cluster_ready_at - submitted_at})
@@ -110,6 +113,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                             cluster_ready_at=cluster_ready_at,
                             fallback_path=fallback,
                             progress=progress_queue,
+                            mlflow_credentials=credentials_from_env(),
                         ),
                     )
                     result = _fit_interruptibly(trainer)
@@ -118,7 +122,9 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 outcome = "KILLED"
                 raise
             except Exception as exc:
-                raise RayappError(f"training failed: {first_line(exc)} (MLflow run {run_id} marked FAILED)") from exc
+                lost = cluster.lost_nodes()
+                cause = f"node {', '.join(lost)} was lost ({first_line(exc)})" if lost else first_line(exc)
+                raise RayappError(f"training failed: {cause} (MLflow run {run_id} marked FAILED)") from exc
     finally:
         # Only now, with the workers gone: none of them can still be writing the epochs filled in here.
         if run_id is not None and fallback is not None:

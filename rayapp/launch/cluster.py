@@ -19,10 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from rayapp.errors import RayappError
 
@@ -39,6 +40,11 @@ STOP_TIMEOUT_S = 15.0
 # sat out STOP_TIMEOUT_S and then SIGKILLed the head's daemons: 15 s added to every submit.
 # Nothing serves traffic on an embedded cluster, and its driver has finished when it stops.
 _NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# The GCS declares a node dead after `failure_threshold` missed health checks, one per period:
+# 3 s x 5 by default. A lost node's raylet refuses the check at once, so a shorter period finds it
+# in about 5 s; until then Ray Train, restarting after the failed collective, may place a worker
+# on the dead node and lose a second attempt to it. A live but busy node still has 5 chances.
+_FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000"}
 
 
 def node_ip(index: int) -> str:
@@ -77,6 +83,8 @@ class EmbeddedCluster:
     address: str = ""
     dashboard_url: Optional[str] = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _watchdog: Optional[threading.Thread] = None
     _temp_dir: Optional[str] = None
     _node_temp_dirs: list[str] = field(default_factory=list)
     _owns_log_dir: bool = False
@@ -165,16 +173,42 @@ class EmbeddedCluster:
             f"--object-store-memory={OBJECT_STORE_BYTES}",
             *args,
         ]
-        log = open(self.log_dir / f"node-{index}.log", "w")
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env, **_NO_DRAIN_ON_SIGTERM)
+        log = open(self.log_dir / f"node-{index}.log", "a")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env, **_NO_DRAIN_ON_SIGTERM, **_FAST_NODE_DEATH)
         if self.gpus_per_node:
             first = index * self.gpus_per_node
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.gpus_per_node))
-        self._processes.append(
-            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env=env)
-        )
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env=env)
         log.close()
+        if index < len(self._processes):
+            self._processes[index] = process  # a lost node started again
+        else:
+            self._processes.append(process)
+
+    def exited_nodes(self) -> list[str]:
+        """IPs of nodes whose `ray start` process has exited (killed, crashed, machine lost)."""
+        return [node_ip(index) for index, process in enumerate(self._processes) if process.poll() is not None]
+
+    def keep_nodes_up(self, on_restart: Callable[[str], None], interval_s: float = 1.0) -> None:
+        """Start again any worker node that goes away (every process of it killed, as when a machine
+        of a real cluster is lost), as an autoscaler would bring a replacement: Ray Train, with
+        failures left to recover from, then resumes from the last checkpoint on the full cluster.
+        The head holds the cluster's state (GCS) and is not replaced."""
+
+        def watch() -> None:
+            while not self._stopping.wait(interval_s):
+                for index in range(1, len(self._processes)):
+                    process = self._processes[index]
+                    if process.poll() is None or self._stopping.is_set():
+                        continue
+                    _kill_and_wait(_descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
+                    on_restart(f"node {node_ip(index)} was lost (its `ray start` exited with code "
+                               f"{process.returncode}); starting it again")
+                    self._start_node(index, [f"--address={self.address}"])
+
+        self._watchdog = threading.Thread(target=watch, name="rayapp-node-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _check_processes(self) -> None:
         for index, process in enumerate(self._processes):
@@ -217,6 +251,10 @@ class EmbeddedCluster:
         signalling the whole session instead makes each daemon drain on its own, ~30 s). Then
         SIGKILL whatever is left of each node's process group, and of every process that ran below
         the nodes when stop() began, and wait for them: nothing outlives the cluster."""
+        self._stopping.set()  # no node is started again while the cluster stops
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=10)
+            self._watchdog = None
         # Taken before any signal: once a raylet is gone, its workers are re-parented and no longer
         # show as descendants of the node they belonged to.
         tree = _descendants([process.pid for process in self._processes if process.poll() is None])

@@ -178,6 +178,48 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
+MLFLOW_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+ACCESS_CHECK_TIMEOUT_S = 10.0
+
+
+def credentials_from_env() -> dict[str, str]:
+    """The MLflow credentials of this shell, for the workers (they travel in memory, not as params)."""
+    return {name: os.environ[name] for name in MLFLOW_CREDENTIAL_ENV if os.environ.get(name)}
+
+
+def check_tracking_access(tracking_uri: str) -> None:
+    """For a tracking server: fail now, before any cluster starts, if it refuses this shell's
+    credentials. A server that does not answer is left to the run's own retries and outbox."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    from rayapp.errors import RayappError
+
+    credentials = credentials_from_env()
+    auth = None
+    headers = {}
+    if "MLFLOW_TRACKING_TOKEN" in credentials:
+        headers["Authorization"] = f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"
+    elif "MLFLOW_TRACKING_USERNAME" in credentials:
+        auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials.get("MLFLOW_TRACKING_PASSWORD", ""))
+    try:
+        response = requests.get(f"{tracking_uri.rstrip('/')}/api/2.0/mlflow/experiments/search",
+                                params={"max_results": 1}, auth=auth, headers=headers,
+                                timeout=ACCESS_CHECK_TIMEOUT_S,
+                                verify=os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() != "true")
+    except requests.RequestException:
+        return
+    if response.status_code in (401, 403):
+        who = (f"user {credentials['MLFLOW_TRACKING_USERNAME']!r}" if "MLFLOW_TRACKING_USERNAME" in credentials
+               else "a token" if "MLFLOW_TRACKING_TOKEN" in credentials else "no credentials")
+        raise RayappError(
+            f"MLflow at {tracking_uri} refused {who} (HTTP {response.status_code}); set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
+            "that may write runs"
+        )
+
+
 def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
     """The run's page in the MLflow UI when the store is a tracking server, else None."""
     if not tracking_uri.startswith(("http://", "https://")):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rayapp.spec import JobSpec
@@ -21,6 +21,9 @@ class WorkerConfig:
     """Where rank 0 writes MLflow records the tracking server could not take by the end."""
     progress: Any = None
     """A ray.util.queue.Queue that rank 0 feeds with per-epoch progress and warnings, or None."""
+    mlflow_credentials: dict = field(default_factory=dict, repr=False)
+    """MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN from the submitting shell, set in each worker's
+    environment: a warm or remote cluster's nodes were not started with them. Never printed."""
 
     def tell(self, message: str) -> None:
         """A warning for the person at the submitting terminal."""

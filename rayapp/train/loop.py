@@ -32,6 +32,7 @@ FLUSH_ON_ERROR_S = 10.0
 def train_loop_per_worker(config: dict) -> None:
     worker_config: WorkerConfig = config["worker_config"]
     loop_started = time.perf_counter()
+    os.environ.update(worker_config.mlflow_credentials)  # for MLflow's clients here and in a script's child
 
     import ray.train
     from ray.train.torch import get_device
