@@ -1,6 +1,6 @@
 """How the Linux scheduler treats the training processes: run time, run-queue wait, switches.
 
-Where `rayapp_vs_torchrun.py` shows *that* an epoch is slower, this shows part of *why*: for
+Where `python -m benchmarks.overhead` shows *that* an epoch is slower, this shows part of *why*: for
 every thread of the processes whose command line contains PATTERN, over a window of S seconds,
 the share of the window it ran, the share it spent runnable but waiting for a CPU (run-queue
 wait, from /proc/PID/task/TID/schedstat), and how often per second it was preempted

@@ -1,7 +1,8 @@
-"""The baseline for `rayapp_vs_torchrun.py`: a plain DDP loop, launched by torchrun.
+"""The baseline for `python -m benchmarks.overhead`: a plain DDP loop, launched by torchrun.
 
 It trains exactly what `rayapp submit` trains for the same job and world size (same spec,
-data set, model, loss, optimizer, sampler and batch size), with none of rayapp's extras:
+data set, model, loss, optimizer, sampler and batches), built with the same builders rayapp's
+built-in loop calls (rayapp.train.data, rayapp.train.models), with none of rayapp's extras:
 no Ray, no MLflow, no checkpoints, no comm timing. Each epoch is timed the
 way rayapp times it (perf_counter around the step loop, the slowest rank's figure), and
 rank 0 writes the per-epoch times to a JSON file.
@@ -21,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
-from rayapp.train.data import build_datasets
 from rayapp.spec.loader import load_spec
+from rayapp.train.collectives import max_over_ranks, mean_over_ranks
+from rayapp.train.data import build_datasets, build_loader, shard_sampler
 from rayapp.train.models import build_loss, build_model, build_optimizer
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes the per-epoch times to")
     parser.add_argument(
         "--comm-clock", choices=("none", "rayapp"), default="none",
-        help="also read rayapp's per-step comm clock (rayapp.timing.DdpCommClock), to measure what it costs",
+        help="also read rayapp's per-step comm clock (rayapp.train.timing.DdpCommClock), to measure what it costs",
     )
     args = parser.parse_args()
 
@@ -44,12 +45,12 @@ def main() -> None:
     # One worker per "node", as `rayapp submit --nodes N --workers-per-node 1` runs it.
     spec = load_spec(args.job, {"cluster.nodes": world_size, "cluster.workers_per_node": 1, "train.epochs": args.epochs})
 
+    # As rayapp.train.loop.standard_loop builds them (through TrainContext.loader on a CPU worker):
+    # the rank's shard (DistributedSampler, seed train.seed, drop_last) in the per-worker batch size.
     datasets = build_datasets(spec)
-    sampler = DistributedSampler(
-        datasets.train, num_replicas=world_size, rank=rank, shuffle=True, seed=spec.train.seed, drop_last=True
-    )
-    loader = DataLoader(datasets.train, batch_size=spec.batch_size_per_worker, sampler=sampler, drop_last=True)
-    model = DistributedDataParallel(build_model(spec))
+    loader = build_loader(spec, datasets.train, rank=rank, world_size=world_size, shuffle=True, pin_memory=False)
+    sampler = shard_sampler(loader)
+    model = DistributedDataParallel(build_model(spec))  # what rayapp's ddp strategy does on CPU
     comm_clock = None
     if args.comm_clock == "rayapp":
         from rayapp.train.timing import DdpCommClock
@@ -61,6 +62,7 @@ def main() -> None:
     threads: list = [None] * world_size
     dist.all_gather_object(threads, {"torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")})
 
+    cpu = torch.device("cpu")
     epoch_times, losses, epoch_ends, epoch_ends_unix = [], [], [], []
     for epoch in range(spec.train.epochs):
         sampler.set_epoch(epoch)
@@ -76,12 +78,10 @@ def main() -> None:
             loss_sum += loss.detach()
         elapsed = time.perf_counter() - started
 
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        mean_loss = (loss_sum / spec.steps_per_epoch).clone()
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
-        epoch_times.append(slowest.item())
-        losses.append(mean_loss.item() / world_size)
+        # Reduced as rayapp's loop reduces them (the slowest rank's time; the loss averaged over ranks
+        # in float64), so that the losses of the two sides compare bit for bit.
+        epoch_times.append(max_over_ranks([elapsed], cpu)[0])
+        losses.append(mean_over_ranks(loss_sum / spec.steps_per_epoch, cpu))
         epoch_ends.append(time.perf_counter())
         epoch_ends_unix.append(time.time())
 

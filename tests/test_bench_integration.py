@@ -27,6 +27,7 @@ def test_sweep_one_and_two_nodes(workdir):
 
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"scaling.png", "scaling.csv", "scaling.md", "scaling.json"} <= artifacts
+    assert "time_breakdown.png" in artifacts
     local_png = client.download_artifacts(parent.info.run_id, "scaling.png", str(workdir))
     with open(local_png, "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -23,7 +23,7 @@ def logged_run(uri: str) -> str:
     logger = RunLogger(uri, run_id, fallback_path="/nonexistent/x.jsonl")
     for epoch, seconds in enumerate([3.0, 1.0, 2.0]):
         logger.log_epoch(epoch, {"loss": 1.0 / (epoch + 1), "epoch_time_s": seconds})
-    logger.log_metrics({"total_time_s": 6.5}, step=2)
+    logger.log_metrics({"total_time_s": 6.5, "time_to_first_step_s": 12.34}, step=2)
     assert logger.close() is None
     close_run(uri, run_id, "FINISHED")
     return run_id
@@ -39,6 +39,7 @@ def test_runs_table(tmp_path):
     assert "0.33333" in row  # final loss
     assert "1.500" in row  # median epoch time without the first epoch: median(1.0, 2.0)
     assert "6.5" in row
+    assert "startup s" in result.output and "12.3" in row  # time to first step
 
 
 def test_ui_serves_the_store(tmp_path):

@@ -59,11 +59,15 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
 @click.option("--parent", "parent_run_id", help="Only the child runs of this sweep's parent run.")
 @tracking_uri_option
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also save the scaling plot PNG here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Also save the scaling plot PNG here: throughput, efficiency, and where the time goes.")
 @friendly_errors
 def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: Optional[str], tracking_uri: Optional[str],
             fmt: str, plot_path: Optional[str]) -> None:
     """Compare runs: epoch time, speedup, scaling efficiency, comm share, and the ideal beside the measured.
+
+    Beside them, what explains them: start-up times and each node's mean CPU use in the table,
+    and with --plot, where a steady epoch's time goes (compute, comm, data, other) per run.
 
     \b
     Examples:

@@ -112,7 +112,8 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
     """Run JOB_YAML once per cluster size and compare: nested MLflow runs, a table and a plot.
 
     All runs go into one experiment under a parent run; the parent gets the comparison
-    (scaling.md/.csv/.json) and the plot (scaling.png) as artifacts.
+    (scaling.md/.csv/.json) and the plots (scaling.png: throughput, efficiency and where the
+    time goes; time_breakdown.png: the last on its own) as artifacts.
 
     \b
     Examples:
@@ -150,4 +151,5 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
             plot_path=plot_path,
         )
     click.echo(render(result.summaries, "table"), nl=False)  # pre-rendered at full width; no re-wrapping
-    console.print(f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} and logged as scaling.png")
+    console.print(f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} "
+                  "and logged as scaling.png, beside time_breakdown.png")

@@ -11,11 +11,13 @@ from typing import Callable, Optional
 
 from rayapp.reports.compare import RunSummary, load_summaries, render
 from rayapp.driver.submit import SubmitOptions, SubmitResult, submit
-from rayapp.reports.plot import scaling_plot
+from rayapp.reports.plot import scaling_plot, time_breakdown_plot
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import close_run, environment_tags, open_run, resolve_tracking_uri
 
 PLOT_ARTIFACT = "scaling.png"
+BREAKDOWN_ARTIFACT = "time_breakdown.png"
+"""The breakdown panel of scaling.png on its own, named for the question it answers in the MLflow UI."""
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -85,13 +87,14 @@ def run_sweep(
 
 
 def _log_report(tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: Optional[Path]) -> Path:
-    """Table (markdown/csv/json) and plot as artifacts of the parent run; the plot also saved locally."""
+    """Table (markdown/csv/json) and plots as artifacts of the parent run; the scaling plot also saved locally."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     plot_path = Path(plot_path or f"scaling-{parent_run_id[:8]}.png")
     with tempfile.TemporaryDirectory() as directory:
         scaling_plot(summaries, Path(directory) / PLOT_ARTIFACT)
+        time_breakdown_plot(summaries, Path(directory) / BREAKDOWN_ARTIFACT)
         for fmt, name in (("markdown", "scaling.md"), ("csv", "scaling.csv"), ("json", "scaling.json")):
             (Path(directory) / name).write_text(render(summaries, fmt))
         client.log_artifacts(parent_run_id, directory)

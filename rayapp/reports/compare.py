@@ -2,16 +2,20 @@
 
 Runs are grouped by what makes them comparable (job, scaling, strategy, backend); within a
 group, the run with the smallest world size is the baseline. Steady-state figures are medians
-over epochs, the first epoch excluded as warm-up.
+over epochs, the first epoch excluded as warm-up. Beside them, what explains them: where a
+steady epoch's time goes (compute, comm, data, other), how long start-up took, and how busy
+each node's CPUs were.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import ipaddress
 import json
 import math
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 from rayapp.errors import RayappError
@@ -44,10 +48,79 @@ class RunSummary:
     """What perfect scaling predicts: strong scaling t_min * N_min / N; weak scaling t_min (flat)."""
     article_epoch_s: float = math.nan
     """The article's expectation, t_min * N_min / N (time halves per doubling), whatever the scaling."""
+    compute_s: float = math.nan
+    """Median steady compute_time_s less comm_time_s where comm is measured: the step without its all-reduce."""
+    comm_s: float = math.nan
+    """Median steady comm_time_s (DDP's all-reduce span); NaN where not measured, then inside compute_s."""
+    data_s: float = math.nan
+    """Median steady data_time_s: waiting for batches."""
+    other_s: float = math.nan
+    """epoch_time_s less compute, comm and data, floored at 0: what no timer covers (sync, logging, ...)."""
+    startup_cluster_s: float = math.nan
+    """Submission until the cluster was up (started or connected)."""
+    startup_workers_s: float = math.nan
+    """Cluster up until every worker's loop had started."""
+    time_to_first_step_s: float = math.nan
+    """Submission until the first training step finished."""
+    cpu_percent_by_node: dict[str, float] = field(default_factory=dict)
+    """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine figure,
+    100 = every core busy), by node IP in address order."""
 
     @property
     def group(self) -> tuple[str, str, str, str]:
         return (self.job, self.scaling, self.strategy, self.backend)
+
+    @property
+    def time_parts(self) -> dict[str, float]:
+        """The median steady epoch's parts, unmeasured ones as 0: they add up to epoch_time_s
+        unless the parts alone exceed it (each is the slowest rank's, and those may differ)."""
+        parts = {"compute": self.compute_s, "comm": self.comm_s, "data": self.data_s, "other": self.other_s}
+        return {name: 0.0 if math.isnan(value) else value for name, value in parts.items()}
+
+
+def _steady_history(client, run_id: str, key: str, steady_steps: set[int]) -> dict[int, float]:
+    """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not measured')."""
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)
+            if m.step in steady_steps and math.isfinite(m.value)}
+
+
+def _median_or_nan(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else math.nan
+
+
+def time_breakdown(client, run_id: str, epoch_time_s: float) -> dict[str, float]:
+    """compute_s, comm_s, data_s and other_s of the median steady epoch (see RunSummary)."""
+    epochs = sorted(m.step for m in client.get_metric_history(run_id, "epoch_time_s"))
+    steady = set(epochs[1:] if len(epochs) > 1 else epochs)  # the same warm-up rule as steady_median
+    compute = _steady_history(client, run_id, "compute_time_s", steady)
+    comm = _steady_history(client, run_id, "comm_time_s", steady)
+    data = _steady_history(client, run_id, "data_time_s", steady)
+    # compute_time_s spans forward, backward and step, so it holds the all-reduce that backward does
+    # not hide; take comm out per epoch so the bar does not count it twice.
+    compute_only = _median_or_nan(max(value - comm.get(step, 0.0), 0.0) for step, value in compute.items())
+    parts = {"compute_s": compute_only, "comm_s": _median_or_nan(comm.values()), "data_s": _median_or_nan(data.values())}
+    timed = sum(value for value in parts.values() if not math.isnan(value))
+    return {**parts, "other_s": max(epoch_time_s - timed, 0.0)}
+
+
+def _address_order(node: str) -> tuple:
+    try:
+        return (0, ipaddress.ip_address(node))
+    except ValueError:  # a node named otherwise (a hostname): after the addresses, by name
+        return (1, node)
+
+
+def cpu_by_node(client, run) -> dict[str, float]:
+    """Mean CPU utilisation of each node over the run, from the system metrics its sampler logged."""
+    prefix, suffix = "system/", "/cpu_utilization_percentage"
+    nodes = [key[len(prefix):-len(suffix)] for key in run.data.metrics if key.startswith(prefix) and key.endswith(suffix)]
+    means = {}
+    for node in sorted(nodes, key=_address_order):
+        history = client.get_metric_history(run.info.run_id, f"{prefix}{node}{suffix}")
+        values = [m.value for m in history if math.isfinite(m.value)]
+        means[node] = statistics.fmean(values) if values else math.nan
+    return means
 
 
 def summarize_run(client, run) -> RunSummary:
@@ -62,6 +135,8 @@ def summarize_run(client, run) -> RunSummary:
     comm_times = epoch_values(client, run_id, "comm_time_s")
     shares = [c / e for c, e in zip(comm_times, epoch_times) if e > 0]
     memory = epoch_values(client, run_id, "peak_mem_mb")
+    epoch_time_s = steady_median(epoch_times)
+    metrics = run.data.metrics  # once-per-run figures; runs from before they were logged lack them
     return RunSummary(
         run_id=run_id,
         job=params["job"],
@@ -70,11 +145,16 @@ def summarize_run(client, run) -> RunSummary:
         backend=params.get("backend", ""),
         strategy=params.get("strategy", ""),
         scaling=params.get("scaling", ""),
-        epoch_time_s=steady_median(epoch_times),
+        epoch_time_s=epoch_time_s,
         samples_per_s=steady_median(epoch_values(client, run_id, "samples_per_s")) or math.nan,
         comm_share=steady_median(shares) if shares else math.nan,
         peak_mem_mb=max(memory) if memory else math.nan,
-        param_mb_per_rank=run.data.metrics.get("param_bytes_per_rank", math.nan) / 2**20,
+        param_mb_per_rank=metrics.get("param_bytes_per_rank", math.nan) / 2**20,
+        **time_breakdown(client, run_id, epoch_time_s),
+        startup_cluster_s=metrics.get("startup_cluster_s", math.nan),
+        startup_workers_s=metrics.get("startup_workers_s", math.nan),
+        time_to_first_step_s=metrics.get("time_to_first_step_s", math.nan),
+        cpu_percent_by_node=cpu_by_node(client, run),
     )
 
 
@@ -156,14 +236,27 @@ COLUMNS = [
     ("comm_share", "comm share", "{:.0%}"),
     ("peak_mem_mb", "peak MB", "{:,.0f}"),
     ("param_mb_per_rank", "param MB/rank", "{:,.2f}"),
+    ("startup_cluster_s", "cluster up s", "{:.1f}"),
+    ("startup_workers_s", "workers up s", "{:.1f}"),
+    ("time_to_first_step_s", "first step s", "{:.1f}"),
+    ("cpu_percent_by_node", "cpu % per node", "{:.0f}"),
     ("run_id", "run", "{:.12}"),
 ]
+CSV_ONLY = ["compute_s", "comm_s", "data_s", "other_s"]
+"""The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the plot."""
 
 
 def _cell(value, fmt: str) -> str:
+    if isinstance(value, dict):  # per node, side by side: "127.0.0.2: 87, 127.0.0.3: 85"
+        return ", ".join(f"{node}: {_cell(number, fmt)}" for node, number in value.items()) or "-"
     if isinstance(value, float) and math.isnan(value):
         return "-"
     return fmt.format(value)
+
+
+def _csv_value(value):
+    # One cell per run, as the table writes it but a decimal finer; other values as they are.
+    return _cell(value, "{:.1f}") if isinstance(value, dict) else value
 
 
 def render(summaries: list[RunSummary], fmt: str) -> str:
@@ -172,10 +265,11 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
         return json.dumps([asdict(s) for s in summaries], indent=2, default=str)
     if fmt == "csv":
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=[name for name, _, _ in COLUMNS])
+        names = [name for name, _, _ in COLUMNS] + CSV_ONLY
+        writer = csv.DictWriter(buffer, fieldnames=names)
         writer.writeheader()
         for summary in summaries:
-            writer.writerow({name: getattr(summary, name) for name, _, _ in COLUMNS})
+            writer.writerow({name: _csv_value(getattr(summary, name)) for name in names})
         return buffer.getvalue()
     rows = [[_cell(getattr(s, name), f) for name, _, f in COLUMNS] for s in summaries]
     headers = [title for _, title, _ in COLUMNS]
@@ -188,10 +282,13 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
 
     table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=CAPTION)
     for _, title, f in COLUMNS:
-        table.add_column(title, justify="left" if f == "{}" or title == "run" else "right")
+        table.add_column(title, justify="left" if f == "{}" or title in ("run", "cpu % per node") else "right")
     for row in rows:
         table.add_row(*row)
-    console = Console(record=True, width=220)
+    # As wide as the table wants (at least 220): squeezed, rich would cut run ids and wrap the
+    # per-node cells; whoever reads it in a narrower terminal can scroll or pick --format markdown.
+    natural = Console(width=1000).measure(table).maximum
+    console = Console(record=True, width=max(220, natural))
     with console.capture() as capture:
         console.print(table)
     return capture.get()
@@ -200,5 +297,8 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
 CAPTION = (
     "ideal: perfect scaling for the run's mode (strong: time / N, weak: flat). "
     "article: the article's expectation, time halving per doubling. "
-    "efficiency = throughput_N / (N/N_min x throughput_min)."
+    "efficiency = throughput_N / (N/N_min x throughput_min). "
+    "cluster up s: submission to cluster up; workers up s: cluster up to every worker started; "
+    "first step s: submission to the first step done. "
+    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy)."
 )

@@ -31,9 +31,11 @@ def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: C
     if found is None:
         raise RayappError(f"experiment {experiment!r} does not exist in {tracking_uri}; run `rayapp submit` first")
     runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    table = Table(title=f"{experiment}: {len(runs)} most recent run(s)")
-    for column in ("run id", "name", "status", "started", "nodes", "world", "strategy", "final loss", "median epoch s", "total s"):
-        table.add_column(column, justify="right" if column in ("nodes", "world", "final loss", "median epoch s", "total s") else "left")
+    table = Table(title=f"{experiment}: {len(runs)} most recent run(s)",
+                  caption="startup s: submission to the first training step (time_to_first_step_s)")
+    numeric = ("nodes", "world", "final loss", "median epoch s", "startup s", "total s")
+    for column in ("run id", "name", "status", "started", "nodes", "world", "strategy", *numeric[2:]):
+        table.add_column(column, justify="right" if column in numeric else "left")
     for run in runs:
         params, metrics = run.data.params, run.data.metrics
         median = steady_median(epoch_values(client, run.info.run_id, "epoch_time_s"))
@@ -47,6 +49,8 @@ def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: C
             params.get("strategy", ""),
             f"{metrics['loss']:.5f}" if "loss" in metrics else "",
             f"{median:.3f}" if median is not None else "",
+            # Logged once, at the first step; runs from before it was logged, and sweeps' parents, lack it.
+            f"{metrics['time_to_first_step_s']:.1f}" if "time_to_first_step_s" in metrics else "",
             f"{metrics['total_time_s']:.1f}" if "total_time_s" in metrics else "",
         )
     (console or wide_console()).print(table)
