@@ -43,12 +43,16 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
     Example:
       rayapp ui --port 5000     # then open http://127.0.0.1:5000
     """
-    from rayapp.tracking.run import resolve_tracking_uri
+    from rayapp.tracking.run import UI_TRAINING_VIEW, resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     if not uri.startswith(("sqlite:", "file:", "postgresql", "mysql", "mssql", "/")):
         raise RayappError(f"--tracking-uri {uri!r} is a tracking server already; open it in a browser instead")
-    click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port} (Ctrl-C to stop)")
+    click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port}/#/experiments?{UI_TRAINING_VIEW} (Ctrl-C to stop)")
+    # One web worker and no background job runner: a local UI for one person needs no more, and
+    # on a small machine the defaults (4 workers and a job runner) take half a minute to answer.
+    os.environ.setdefault("MLFLOW_WORKERS", "1")
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
     os.execv(sys.executable, command)
 

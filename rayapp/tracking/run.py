@@ -178,6 +178,7 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
+UI_TRAINING_VIEW = "workflowType=machine_learning"
 MLFLOW_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 ACCESS_CHECK_TIMEOUT_S = 10.0
 
@@ -230,7 +231,8 @@ def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
         experiment_id = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
     except Exception:  # the server went away after the run: the store line still says where it is
         return None
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3's UI opens in its GenAI view unless told otherwise; rayapp's runs are model training.
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 
 
 def fallback_path(storage_path: str, trial_name: str, run_id: str) -> str:
