@@ -15,7 +15,8 @@ from rayapp.spec.overrides import overrides_from_flags, rows
 YAML_SUFFIXES = (".yaml", ".yml")
 # What a sweep varies or shares; --nodes is the sweep's own list of sizes.
 BENCH_FLAGS = ("--scaling", "--epochs", "--workers-per-node", "--strategy", "--backend", "--global-batch-size",
-               "--precision", "--compile", "--experiment", "--tracking-uri", "--address", "--storage-path")
+               "--precision", "--compile", "--experiment", "--tracking-uri", "--address", "--storage-path",
+               "--pp-stages", "--microbatches", "--pp-schedule")
 
 
 def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any], script_args: tuple[str, ...] = ()) -> JobSpec:

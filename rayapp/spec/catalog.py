@@ -1,5 +1,6 @@
 """The built-in entries of every registry. Builders live in :mod:`rayapp.train`; only their import
-paths and the metadata the spec validates against are here, so reading a job needs no torch."""
+paths and the metadata the spec validates against are here, so reading a job needs no torch.
+Strategy pp's own options (``train.pipeline``) are in :mod:`rayapp.spec.pipeline`."""
 
 from __future__ import annotations
 
@@ -48,4 +49,19 @@ STRATEGIES.register(
 STRATEGIES.register(
     "mp", "rayapp.train.strategies:apply_mp", "the model's layers split across two GPUs of one node, one process",
     single_process=True, min_gpus=2, needs_sequential=True,
+)
+STRATEGIES.register(
+    "pp", "rayapp.train.pipeline:apply_pp",
+    "pipeline parallelism: the model's layers in stages, one per worker, fed micro-batches (train.pipeline)",
+    # Settings pp cannot honour: (what it accepts, why).
+    only_with={
+        "train.loop": ((None,), "it runs rayapp's built-in loop"),
+        "train.script": ((None,), "it runs rayapp's built-in loop"),
+        "train.compile": ((False,), "its stages are not compiled"),
+        "train.grad_accum_steps": ((1,), "train.pipeline.microbatches splits each batch instead"),
+        "train.grad_clip": ((None,), "each stage sees only its own gradients, not their global norm"),
+        "train.precision": (("fp32", "bf16"), "fp16's loss scaling is not applied inside the pipeline schedule"),
+        "checkpoint.format": (("dcp",), "each stage saves its own part of the model"),
+        "tracking.log_every_steps": ((0,), "step-level metrics would count every stage's samples"),
+    },
 )

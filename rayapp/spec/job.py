@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
+from rayapp.spec.pipeline import PipelineSpec, check_pipeline
 from rayapp.spec.checks import (
     check_import_path,
     check_mapping,
@@ -166,7 +167,10 @@ class TrainSpec:
     global data set and global batch are split across workers."""
     strategy: str = "ddp"
     """`ddp` (DistributedDataParallel), `fsdp` (FSDP2 fully_shard), `dp` (nn.DataParallel over the
-    GPUs of one node, one process) or `mp` (the model's layers split across two GPUs, one process)."""
+    GPUs of one node, one process), `mp` (the model's layers split across two GPUs, one process) or
+    `pp` (pipeline parallelism: one stage of the model's layers per worker, see `pipeline`)."""
+    pipeline: Optional[PipelineSpec] = None
+    """Strategy pp's stages, micro-batches and schedule (YAML: a mapping); only for strategy pp."""
 
     def __post_init__(self) -> None:
         check_positive_int("train.epochs", self.epochs)
@@ -190,6 +194,10 @@ class TrainSpec:
             raise SpecError(f"train.script_args: {self.script_args!r} is not accepted; use a list of strings")
         check_one_of("train.scaling", self.scaling, SCALINGS)
         STRATEGIES.check(self.strategy)
+        if self.pipeline is not None and self.strategy != "pp":
+            raise SpecError(f"train.pipeline: only for train.strategy pp, not {self.strategy!r}; remove it or use pp")
+        if self.strategy == "pp" and self.pipeline is None:
+            object.__setattr__(self, "pipeline", PipelineSpec())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise SpecError(f"train.seed: {self.seed!r} is not accepted; use a whole number >= 0")
         if self.scaling == "weak":
@@ -319,7 +327,9 @@ class JobSpec:
             raise SpecError(
                 "train.loss: missing; with data.factory name the loss: cross_entropy, mse or module:function"
             )
-        world = self.cluster.world_size
+        if self.train.pipeline is not None:
+            check_pipeline(self)
+        world = self.data_parallel_size  # every worker, unless pipeline stages share one data-parallel replica
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size
             if gbs % world:
@@ -340,14 +350,20 @@ class JobSpec:
         return self.cluster.world_size
 
     @property
+    def data_parallel_size(self) -> int:
+        """Workers that each read their own share of the data: all of them, but under strategy pp
+        the stages of a pipeline read the same batches (one data-parallel replica)."""
+        return self.world_size // self.train.pipeline.stages if self.train.pipeline else self.world_size
+
+    @property
     def batch_size_per_worker(self) -> int:
         if self.train.scaling == "weak":
             return self.train.batch_size
-        return self.train.global_batch_size // self.world_size
+        return self.train.global_batch_size // self.data_parallel_size
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size_per_worker * self.world_size
+        return self.batch_size_per_worker * self.data_parallel_size
 
     @property
     def uses_standard_loop(self) -> bool:
@@ -360,7 +376,7 @@ class JobSpec:
         if self.data.factory is not None:
             return None
         if self.train.scaling == "weak":
-            return self.data.steps_per_epoch * self.train.batch_size * self.world_size
+            return self.data.steps_per_epoch * self.train.batch_size * self.data_parallel_size
         return DATASETS.get(self.data.kind).meta.get("train_samples", self.data.num_samples)
 
     @property
@@ -378,4 +394,4 @@ class JobSpec:
         """Optimizer steps each worker takes per epoch; None for a user's data set (known once built)."""
         if self.num_train_samples is None:
             return None
-        return (self.num_train_samples // self.world_size) // self.batch_size_per_worker
+        return (self.num_train_samples // self.data_parallel_size) // self.batch_size_per_worker

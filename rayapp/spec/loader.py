@@ -9,7 +9,9 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from rayapp.spec.job import CheckpointSpec, ClusterSpec, DataSpec, JobSpec, ModelSpec, SpecError, TrackingSpec, TrainSpec
+from rayapp.spec.job import (
+    CheckpointSpec, ClusterSpec, DataSpec, JobSpec, ModelSpec, PipelineSpec, SpecError, TrackingSpec, TrainSpec,
+)
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
@@ -21,6 +23,8 @@ SECTIONS: dict[str, type] = {
 }
 YAML_ALIASES = {"checkpoint": {"async": "async_save"}}
 """Job-file keys that are Python keywords, and the fields they fill."""
+NESTED: dict[tuple[str, str], type] = {("train", "pipeline"): PipelineSpec}
+"""Keys whose value is a mapping of its own (``train.pipeline: {stages: 2}``; flag field ``train.pipeline.stages``)."""
 TOP_LEVEL_KEYS = ("name", "description", *SECTIONS)
 STORAGE_PATH_ENV = "RAYAPP_STORAGE_PATH"
 """Default for cluster.storage_path when the job does not set it (below flags and the job YAML)."""
@@ -76,6 +80,9 @@ def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dic
             raise SpecError(f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
     aliases = YAML_ALIASES.get(section, {})
     values = {aliases.get(key, key): value for key, value in values.items()}
+    for (outer, key), cls in NESTED.items():
+        if outer == section and values.get(key) is not None:
+            values[key] = _nested_values(f"{section}.{key}", values[key], cls)
     for key in ("hidden", "script_args"):  # YAML lists; the frozen spec keeps tuples
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
@@ -86,6 +93,16 @@ def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dic
         except ValueError:
             pass
     return values
+
+
+def _nested_values(dotted: str, values: Any, cls: type) -> dict[str, Any]:
+    accepted = _field_names(cls)
+    if not isinstance(values, dict):
+        raise SpecError(f"{dotted}: {values!r} is not accepted; use a mapping of {', '.join(accepted)}")
+    for key in values:
+        if key not in accepted:
+            raise SpecError(f"{dotted}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
+    return dict(values)
 
 
 def build_spec(
@@ -106,6 +123,9 @@ def build_spec(
     if os.environ.get(STORAGE_PATH_ENV) and "storage_path" not in sections["cluster"]:
         sections["cluster"]["storage_path"] = os.environ[STORAGE_PATH_ENV]
     name = document.get("name", default_name)
+    given = {dotted: value for dotted, value in (overrides or {}).items() if value is not None}
+    if given.get("train.strategy", "pp") != "pp" and not any(k.startswith("train.pipeline.") for k in given):
+        sections["train"].pop("pipeline", None)  # a pp job file run with another strategy (--strategy ddp)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -113,9 +133,15 @@ def build_spec(
             name = value
             continue
         section, _, key = dotted.partition(".")
-        if section not in SECTIONS or key not in _field_names(SECTIONS[section]):
+        key, _, inner = key.partition(".")
+        nested = NESTED.get((section, key))
+        if section not in SECTIONS or key not in _field_names(SECTIONS[section]) or (
+                inner and (nested is None or inner not in _field_names(nested))):
             raise SpecError(f"override {dotted!r} names no spec field")
-        sections[section][key] = value
+        if inner:
+            sections[section][key] = {**(sections[section].get(key) or {}), inner: value}
+        else:
+            sections[section][key] = value
     # Weak scaling states batch_size; strong scaling states global_batch_size. A job file that
     # switches to strong scaling should not trip over the weak-scaling default.
     train = sections["train"]
@@ -127,6 +153,9 @@ def build_spec(
             "(it is global_batch_size / world_size); set train.global_batch_size (--global-batch-size) instead"
         )
     try:
+        for (section, key), cls in NESTED.items():
+            if isinstance(sections[section].get(key), dict):
+                sections[section][key] = cls(**sections[section][key])
         built = {name_: cls(**sections[name_]) for name_, cls in SECTIONS.items()}
         return JobSpec(name=name, **built)
     except TypeError as exc:  # a value of the wrong shape reached a dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from rayapp.spec.catalog import STRATEGIES
+from rayapp.spec.pipeline import SCHEDULES
 from rayapp.spec.job import BACKENDS, PRECISIONS, SCALINGS
 
 
@@ -44,6 +45,11 @@ OVERRIDES: tuple[Override, ...] = (
     Override("--backend", "cluster.backend", str,
              f"torch.distributed backend: {_choices(BACKENDS)}; auto = nccl on GPUs, gloo on CPUs."),
     Override("--strategy", "train.strategy", str, f"Parallel strategy: {_choices(STRATEGIES.names())}."),
+    Override("--pp-stages", "train.pipeline.stages", int,
+             "Strategy pp: pipeline stages, one per worker (default: the world size)."),
+    Override("--microbatches", "train.pipeline.microbatches", int,
+             "Strategy pp: micro-batches each batch is split into (>= stages keeps the bubble small)."),
+    Override("--pp-schedule", "train.pipeline.schedule", str, f"Strategy pp: schedule, {_choices(SCHEDULES)}."),
     Override("--scaling", "train.scaling", str, f"{_choices(SCALINGS)} scaling."),
     Override("--epochs", "train.epochs", int, "Epochs to train."),
     Override("--batch-size", "train.batch_size", int, "Per-worker batch, weak scaling."),

@@ -124,6 +124,16 @@ class TrainContext:
         self._samplers.append(shard_sampler(loader))
         return loader
 
+    def measure_comm_with(self, clock: Any) -> None:
+        """Take ``comm_time_s`` from `clock` (``step_finished()``, ``take_total_s()``) instead of
+        DDP's reducer: a strategy that communicates on its own (pipeline send/recv) times itself."""
+        self._comm_clock = clock
+
+    @property
+    def trained_model(self) -> Optional[nn.Module]:
+        """The model :meth:`epochs` trained, once it has run to the end; None before."""
+        return self._trained
+
     # ---- the epoch loop ---------------------------------------------------------------
 
     def epochs(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,

@@ -74,6 +74,10 @@ def job_loop(worker_config: WorkerConfig) -> Callable[[TrainContext], None]:
 def standard_loop(ctx: TrainContext) -> None:
     """rayapp's loop for registered models and data sets: supervised training, one loss."""
     spec = ctx.spec
+    if spec.train.strategy == "pp":  # one stage of the model per worker, batches in micro-batches
+        from rayapp.train.pipeline import pipeline_loop
+
+        return pipeline_loop(ctx)
 
     # -- set-up: data, model, strategy, optimizer
     datasets = build_datasets(spec)
@@ -112,7 +116,12 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
     if ctx.prepared:  # a script trains in its own process: rayapp holds no model to measure
         finals["param_bytes_per_rank"] = ctx.parameter_bytes()
     logger.log_metrics(finals, step=last_epoch)
-    model_state = ctx.final_model_state()  # every rank: a collective under FSDP
+    if spec.train.strategy == "pp":  # each rank holds one stage of the model: gather them
+        from rayapp.train.pipeline import full_model_state
+
+        model_state = full_model_state(ctx)
+    else:
+        model_state = ctx.final_model_state()  # every rank: a collective under FSDP
     if ctx.is_chief:
         with tempfile.TemporaryDirectory() as directory:
             if model_state is not None:

@@ -33,6 +33,8 @@ class Placement:
 def apply_strategy(spec: JobSpec, model: nn.Module, device: torch.device) -> Placement:
     """The job's strategy applied to `model`; moves it to `device` first unless the strategy places it."""
     apply = import_object(STRATEGIES.get(spec.train.strategy).target)
+    if spec.train.strategy == "pp":  # keeps one stage of the model: only that moves to the device
+        return apply(model, device=device, spec=spec)
     if not spec.single_process:
         model = model.to(device)
     if spec.train.strategy == "fsdp":
