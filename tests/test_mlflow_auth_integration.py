@@ -4,7 +4,6 @@ refused password fails before any cluster starts, and no secret lands where othe
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
