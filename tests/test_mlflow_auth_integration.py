@@ -60,6 +60,9 @@ def test_credentials_reach_the_workers_and_no_secret_is_left_behind(auth_server,
                             "--experiment", "auth", str(JOBS / "seed_linear.yaml"), cwd=tmp_path,
                             env=credentials(PASSWORD))
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+        # The end-of-run hint is the run's page on the server, in MLflow's model-training view.
+        assert f"view:  {auth_server.uri}/#/experiments/" in result.stdout
+        assert "?workflowType=machine_learning" in result.stdout
         node_logs = every_text_under(Path(record.log_dir))
     finally:
         run_rayapp("cluster", "down", cwd=tmp_path)

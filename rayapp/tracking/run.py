@@ -11,7 +11,7 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from rayapp.spec import JobSpec
 
@@ -188,30 +188,35 @@ def credentials_from_env() -> dict[str, str]:
     return {name: os.environ[name] for name in MLFLOW_CREDENTIAL_ENV if os.environ.get(name)}
 
 
-def check_tracking_access(tracking_uri: str) -> None:
-    """For a tracking server: fail now, before any cluster starts, if it refuses this shell's
-    credentials. A server that does not answer is left to the run's own retries and outbox."""
-    if not tracking_uri.startswith(("http://", "https://")):
-        return
+def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Optional[Any]:
+    """One GET of the tracking server's REST API with this shell's credentials and a short timeout
+    (MLflow's own client retries for minutes); None when the server does not answer."""
     import requests
 
-    from rayapp.errors import RayappError
-
     credentials = credentials_from_env()
-    auth = None
-    headers = {}
+    auth, headers = None, {}
     if "MLFLOW_TRACKING_TOKEN" in credentials:
         headers["Authorization"] = f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"
     elif "MLFLOW_TRACKING_USERNAME" in credentials:
         auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials.get("MLFLOW_TRACKING_PASSWORD", ""))
     try:
-        response = requests.get(f"{tracking_uri.rstrip('/')}/api/2.0/mlflow/experiments/search",
-                                params={"max_results": 1}, auth=auth, headers=headers,
-                                timeout=ACCESS_CHECK_TIMEOUT_S,
-                                verify=os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() != "true")
+        return requests.get(f"{tracking_uri.rstrip('/')}{path}", params=params, auth=auth, headers=headers,
+                            timeout=ACCESS_CHECK_TIMEOUT_S,
+                            verify=os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() != "true")
     except requests.RequestException:
+        return None
+
+
+def check_tracking_access(tracking_uri: str) -> None:
+    """For a tracking server: fail now, before any cluster starts, if it refuses this shell's
+    credentials. A server that does not answer is left to the run's own retries and outbox."""
+    if not tracking_uri.startswith(("http://", "https://")):
         return
-    if response.status_code in (401, 403):
+    from rayapp.errors import RayappError
+
+    response = _server_get(tracking_uri, "/api/2.0/mlflow/experiments/search", {"max_results": 1})
+    if response is not None and response.status_code in (401, 403):
+        credentials = credentials_from_env()
         who = (f"user {credentials['MLFLOW_TRACKING_USERNAME']!r}" if "MLFLOW_TRACKING_USERNAME" in credentials
                else "a token" if "MLFLOW_TRACKING_TOKEN" in credentials else "no credentials")
         raise RayappError(
@@ -222,15 +227,14 @@ def check_tracking_access(tracking_uri: str) -> None:
 
 
 def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
-    """The run's page in the MLflow UI when the store is a tracking server, else None."""
+    """The run's page in the MLflow UI when the store is a tracking server, else None (also when
+    the server does not answer now: the store line still says where the run is)."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
-    from mlflow.tracking import MlflowClient
-
-    try:
-        experiment_id = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
-    except Exception:  # the server went away after the run: the store line still says where it is
+    response = _server_get(tracking_uri, "/api/2.0/mlflow/runs/get", {"run_id": run_id})
+    if response is None or response.status_code != 200:
         return None
+    experiment_id = response.json()["run"]["info"]["experiment_id"]
     # MLflow 3's UI opens in its GenAI view unless told otherwise; rayapp's runs are model training.
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 

@@ -9,13 +9,19 @@ One sampler per node, not per worker: the figures describe the machine, not the 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
+
+from rayapp.tracking.outbox import CLIENT_ENV
 
 
 def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resume: bool) -> Optional[Any]:
     """A running monitor, or None when turned off or MLflow's monitor cannot start here."""
     if interval_s <= 0:
         return None
+    # A server that went away must fail each sample's write in seconds, as rank 0's outbox does, not
+    # after MLflow's default minutes of retries: finish() waits for the sampler's thread.
+    os.environ.update(CLIENT_ENV)
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
