@@ -8,7 +8,7 @@ import pytest
 
 from rayapp.launch.cluster import EmbeddedCluster
 
-from conftest import alive, connect, descendants
+from conftest import alive, cmdline, connect, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +39,18 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
             for i in range(2)
         ]
         pids = ray.get([actor.start_child.remote() for actor in actors])
-        cluster_pids = set(descendants(os.getpid()))
-        assert {pid for pair in pids for pid in pair} <= cluster_pids
         leaders = list(cluster._processes)
+        # Below the nodes' `ray start` leaders, not below this process: pytest's own children
+        # (an earlier test's server still exiting) are not the cluster's.
+        cluster_pids = {leader.pid for leader in leaders}
+        cluster_pids |= {pid for leader in leaders for pid in descendants(leader.pid)}
+        assert {pid for pair in pids for pid in pair} <= cluster_pids
     finally:
         ray.shutdown()
         cluster.stop()
     # No grace period: stop() itself waits for the stragglers.
-    assert not [pid for pid in cluster_pids if alive(pid)], "processes of the cluster outlived stop()"
+    survivors = {pid: cmdline(pid) for pid in cluster_pids if alive(pid)}
+    assert not survivors, f"processes of the cluster outlived stop(): {survivors}"
     # Each `ray start --block` leader stopped its own daemons on SIGTERM (it exits 1), rather than
     # sitting out Ray's 30 s node drain, which detached actors keep from ending, until stop() SIGKILLs it.
     assert [leader.returncode for leader in leaders] == [1, 1], "a node was SIGKILLed, not stopped"

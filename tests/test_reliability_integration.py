@@ -167,3 +167,32 @@ def test_a_lost_node_comes_back_and_training_resumes_in_the_same_run(workdir):
     assert sorted(run.data.tags["rayapp.node_ips"].split(",")) == ["127.0.0.2", "127.0.0.3"]
     for key in EPOCH_METRICS:
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(epochs)), key
+
+
+def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two_node_cluster):
+    """The terminal's progress queue is an actor: on the driver's node, a lost worker node cannot
+    take it along; and a rank that cannot reach it (driver gone) trains on, the line lost."""
+    import ray
+
+    from rayapp.driver.session import progress_pump
+    from rayapp.spec.loader import load_spec
+    from rayapp.train.config import WorkerConfig
+
+    connect(two_node_cluster)
+    try:
+        shown: list = []
+        with progress_pump(shown.append) as queue:
+            queue.size()  # placed and running
+            # The GCS's own record (the state API needs the dashboard, which this cluster runs without).
+            placed = ray._private.state.actors(queue.actor._actor_id.hex())["Address"]["NodeID"]
+            assert placed == ray.get_runtime_context().get_node_id()
+            config = WorkerConfig(spec=load_spec(JOBS / "seed_linear.yaml"), run_id="r", tracking_uri="",
+                                  submitted_at=0.0, progress=queue)
+            config.tell("first")
+            ray.kill(queue.actor)
+            time.sleep(1)
+            config.tell("second")  # raises nothing
+            config.echo("third")
+        assert {"message": "first"} in shown and {"message": "second"} not in shown
+    finally:
+        ray.shutdown()

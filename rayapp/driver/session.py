@@ -109,8 +109,14 @@ def progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
         return
     from ray.util.queue import Queue
 
-    # num_cpus=0: the queue must never compete with training workers for a CPU slot.
-    queue = Queue(actor_options={"num_cpus": 0})
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # num_cpus=0: the queue must never compete with training workers for a CPU slot. On the
+    # driver's own node, as Ray Train's controller is: a worker node lost mid-run (and recovered
+    # from) must not take the queue along. Not a soft preference: Ray spreads those.
+    queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False)})
     done = "rayapp-progress-done"
 
     def drain() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +28,18 @@ class WorkerConfig:
 
     def tell(self, message: str) -> None:
         """A warning for the person at the submitting terminal."""
-        if self.progress is not None:
-            self.progress.put_nowait({"message": message})
+        self.send_progress({"message": message})
 
     def echo(self, line: str) -> None:
         """A line of the job's own output (a script's stdout) for the submitting terminal."""
-        if self.progress is not None:
-            self.progress.put_nowait({"output": line})
+        self.send_progress({"output": line})
+
+    def send_progress(self, item: dict) -> None:
+        """Best effort: a line the terminal misses (the driver gone, its queue's node lost) is no
+        reason to fail training, whose figures are in MLflow anyway."""
+        if self.progress is None:
+            return
+        try:
+            self.progress.put_nowait(item)
+        except Exception as exc:
+            logging.getLogger(__name__).warning("progress not shown at the submitting terminal: %s", exc)

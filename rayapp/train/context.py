@@ -323,8 +323,8 @@ class TrainContext:
             if save_now:
                 metrics = {**metrics, "checkpoint_time_s": time.perf_counter() - saving_started}
             self.logger.log_epoch(epoch, metrics)
-        if self.is_chief and self.config.progress is not None:
-            self.config.progress.put_nowait({"epoch": epoch, **metrics})
+        if self.is_chief:
+            self.config.send_progress({"epoch": epoch, **metrics})
 
     def final_model_state(self) -> Optional[dict]:
         """The trained model's full state on CPU, gathered once, at the end (a collective under

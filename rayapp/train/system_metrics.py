@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Optional
 
 from rayapp.tracking.outbox import CLIENT_ENV
+
+
+MAX_UNSENT = 10_000
+"""Samples' metrics kept while the store does not take them (oldest dropped first): a store down
+for hours must not grow a worker's memory without bound."""
+FINAL_WRITE_TRIES = 3
 
 
 def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resume: bool) -> Optional[Any]:
@@ -20,15 +27,13 @@ def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resum
     if interval_s <= 0:
         return None
     # A server that went away must fail each sample's write in seconds, as rank 0's outbox does, not
-    # after MLflow's default minutes of retries: finish() waits for the sampler's thread.
+    # after MLflow's default minutes of retries: stop() waits for the sampler's thread.
     os.environ.update(CLIENT_ENV)
     try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
         # MLflow announces start and stop at INFO on every node; a person needs neither.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, samples_before_logging=1,
-                                       resume_logging=resume, node_id=node, tracking_uri=tracking_uri)
+        monitor = _node_sampler_class()(run_id, sampling_interval=interval_s, samples_before_logging=1,
+                                        resume_logging=resume, node_id=node, tracking_uri=tracking_uri)
         monitor.start()
         return monitor
     except Exception as exc:  # psutil missing, server unreachable: training goes on without it
@@ -37,9 +42,51 @@ def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resum
 
 
 def stop(monitor: Optional[Any]) -> None:
-    """Stop sampling and send what is left (bounded: the monitor's own client times out)."""
-    if monitor is not None:
+    """Stop sampling and send what is left: a few tries, each bounded by the client's timeout, as
+    a store busy with the other nodes' writes (SQLite's lock) or a server restarting refuses one."""
+    if monitor is None:
+        return
+    monitor.stop_sampling()
+    for attempt in range(FINAL_WRITE_TRIES):
+        if not monitor.mlflow_logger.data:
+            return
+        time.sleep(0.5 * attempt)
         try:
-            monitor.finish()
-        except Exception:  # the run's figures so far are already logged
-            pass
+            monitor.mlflow_logger.flush()
+        except Exception as exc:
+            if attempt == FINAL_WRITE_TRIES - 1:
+                logging.getLogger(__name__).warning("system metrics of node %s not written: %s", monitor.node_id, exc)
+
+
+def _node_sampler_class() -> type:
+    """MLflow's monitor with a loop that outlives a failed write. MLflow's own loop stops for good
+    at the first error (a read or write refused once by a busy store), and a node's figures for
+    the rest of the run are lost; here a sample that cannot be written waits for the next write."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class NodeSampler(SystemMetricsMonitor):
+        def monitor(self) -> None:
+            warned = False
+            while not self._shutdown_event.is_set():
+                self.collect_metrics()
+                self._shutdown_event.wait(self.sampling_interval)
+                try:
+                    self.publish_metrics(self.aggregate_metrics())  # writes when its batch is due
+                except Exception as exc:
+                    if not warned:
+                        logging.getLogger(__name__).warning(
+                            "system metrics of node %s: a write failed (%s); retrying with the next", self.node_id, exc)
+                        warned = True
+                    for monitor in self.monitors:  # the failed sample stays in the logger's batch
+                        monitor.clear_metrics()
+                    self._logging_step += 1
+                    del self.mlflow_logger.data[:-MAX_UNSENT]
+
+        def stop_sampling(self) -> None:
+            """End the loop (at most one sampling interval away) and leave the unsent batch to stop()."""
+            self._shutdown_event.set()
+            if self._process is not None:
+                self._process.join()
+                self._process = None
+
+    return NodeSampler
