@@ -123,7 +123,9 @@ def test_a_hangup_or_terminate_ends_a_command_like_ctrl_c_with_128_plus_the_sign
 
         command()
     """)
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    # As from a terminal: under nohup (SIGHUP ignored, inherited) rayapp rightly leaves SIGHUP alone.
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
     assert result.returncode == exit_code, result.stderr
     assert "clean-up ran" in result.stdout
     assert f"terminated by {signal.Signals(signum).name}" in result.stderr and "Traceback" not in result.stderr

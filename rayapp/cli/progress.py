@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 # Shown in their own words at the front of each epoch line; everything else a loop logs follows.
 _TIMINGS = ("epoch_time_s", "samples_per_s", "comm_time_s")
-_NOT_SHOWN = {"epoch", "compute_time_s", "data_time_s", "peak_mem_mb", "checkpoint_time_s"}
+# world_size: an elastic run says its size when it (re)starts; a fixed run's never changes.
+_NOT_SHOWN = {"epoch", "compute_time_s", "data_time_s", "peak_mem_mb", "checkpoint_time_s", "world_size"}
 _SHORT_NAMES = {"test_accuracy": "test acc"}
 
 
@@ -31,6 +32,9 @@ class EpochPrinter:
     def on_epoch(self, metrics: dict) -> None:
         if "message" in metrics:  # a warning from rank 0, e.g. MLflow unreachable
             self._console.print(f"[yellow]rayapp: warning:[/yellow] {metrics['message']}")
+            return
+        if "status" in metrics:  # news from rank 0, e.g. an elastic run's new size
+            self.on_status(metrics["status"])
             return
         if "output" in metrics:  # a line rank 0's script printed
             self._console.print(metrics["output"], markup=False, end="" if metrics["output"].endswith("\n") else "\n")

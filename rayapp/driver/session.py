@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from typing import Callable, Iterator, Optional
 
@@ -16,6 +17,15 @@ from rayapp.spec import JobSpec
 
 ProgressCallback = Callable[[dict], None]
 WARM_LABEL = "local-warm"
+ELASTIC_REPLACE_AFTER_S = 60.0
+"""How long the embedded cluster leaves a lost node out of an elastic run before starting it
+again: long enough that training goes on with the nodes left, as it does on a real cluster while
+the autoscaler brings a machine up (minutes there)."""
+ELASTIC_START_TIMEOUT_S = "30"
+"""Ray Train's worker-group start timeout (default 60 s) for elastic runs on the embedded cluster.
+Right after a node is lost, Ray Train's view of the cluster (refreshed every 20 s) still counts
+it, so the first restart asks for every node and waits for the lost one until this timeout; the
+next asks for the nodes left. Workers on this machine start in seconds."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -91,8 +101,12 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
             connect(cluster.address, cluster.head_ip,
                     f"the embedded Ray cluster at {cluster.address} (node logs: {cluster.log_dir})")
             cluster.wait_for_nodes()
-            if spec.cluster.max_failures > 0:
-                cluster.keep_nodes_up(status)  # a lost node comes back, as an autoscaler would bring one
+            if spec.cluster.failures_allowed > 0:
+                # A lost node comes back, as an autoscaler would bring one; for an elastic run,
+                # after a while, as a real replacement takes: training goes on meanwhile with fewer.
+                cluster.keep_nodes_up(status, replace_after_s=ELASTIC_REPLACE_AFTER_S if spec.cluster.elastic else 0.0)
+            if spec.cluster.elastic:
+                os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S)
             try:
                 yield ClusterSession("local", embedded=cluster)
             finally:

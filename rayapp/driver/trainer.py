@@ -43,7 +43,10 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         train_loop_per_worker,
         train_loop_config={"worker_config": worker_config},
         scaling_config=ScalingConfig(
-            num_workers=spec.world_size,
+            # Elastic: Ray Train starts (and restarts after a lost node) with as many workers as
+            # the cluster holds now, from min to max, and grows as nodes return.
+            num_workers=(spec.cluster.min_world_size, spec.world_size) if spec.cluster.elastic else spec.world_size,
+            **({"elastic_resize_monitor_interval_s": spec.cluster.resize_interval_s} if spec.cluster.elastic else {}),
             use_gpu=use_gpu,
             resources_per_worker={
                 "CPU": spec.cluster.cpus_per_worker,
@@ -55,7 +58,7 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         run_config=RunConfig(
             name=trial_name(spec, worker_config.run_id),
             storage_path=storage_path(spec.cluster.storage_path),
-            failure_config=FailureConfig(max_failures=spec.cluster.max_failures),
+            failure_config=FailureConfig(max_failures=spec.cluster.failures_allowed),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             worker_runtime_env=_worker_env(),
         ),

@@ -190,11 +190,14 @@ class EmbeddedCluster:
         """IPs of nodes whose `ray start` process has exited (killed, crashed, machine lost)."""
         return [node_ip(index) for index, process in enumerate(self._processes) if process.poll() is not None]
 
-    def keep_nodes_up(self, on_restart: Callable[[str], None], interval_s: float = 1.0) -> None:
+    def keep_nodes_up(self, on_restart: Callable[[str], None], interval_s: float = 1.0,
+                      replace_after_s: float = 0.0) -> None:
         """Start again any worker node that goes away (every process of it killed, as when a machine
-        of a real cluster is lost), as an autoscaler would bring a replacement: Ray Train, with
-        failures left to recover from, then resumes from the last checkpoint on the full cluster.
+        of a real cluster is lost), replace_after_s later, as an autoscaler would bring a replacement:
+        Ray Train, with failures left to recover from, then resumes from the last checkpoint on the
+        full cluster (an elastic run goes on with the nodes left meanwhile, then grows back).
         The head holds the cluster's state (GCS) and is not replaced."""
+        lost_since: dict[int, float] = {}
 
         def watch() -> None:
             while not self._stopping.wait(interval_s):
@@ -202,10 +205,17 @@ class EmbeddedCluster:
                     process = self._processes[index]
                     if process.poll() is None or self._stopping.is_set():
                         continue
-                    _kill_and_wait(_descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
-                    on_restart(f"node {node_ip(index)} was lost (its `ray start` exited with code "
-                               f"{process.returncode}); starting it again")
-                    self._start_node(index, [f"--address={self.address}"])
+                    if index not in lost_since:
+                        lost_since[index] = time.monotonic()
+                        _kill_and_wait(_descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
+                        later = f" in {replace_after_s:.0f} s" if replace_after_s else ""
+                        on_restart(f"node {node_ip(index)} was lost (its `ray start` exited with code "
+                                   f"{process.returncode}); starting it again{later}")
+                    if time.monotonic() - lost_since[index] >= replace_after_s:
+                        del lost_since[index]
+                        if replace_after_s:
+                            on_restart(f"node {node_ip(index)} is starting again")
+                        self._start_node(index, [f"--address={self.address}"])
 
         self._watchdog = threading.Thread(target=watch, name="rayapp-node-watchdog", daemon=True)
         self._watchdog.start()

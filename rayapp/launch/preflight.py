@@ -40,13 +40,15 @@ def shortfall(spec: JobSpec, nodes: list[dict], *, use_gpu: bool) -> str | None:
         for node in alive
         if node["Resources"].get("CPU", 0) >= per_node_cpus and node["Resources"].get("GPU", 0) >= per_node_gpus
     ]
-    if len(fitting) >= spec.cluster.nodes:
+    # An elastic run starts with its minimum and grows as nodes join.
+    needed = spec.cluster.min_nodes if spec.cluster.elastic else spec.cluster.nodes
+    if len(fitting) >= needed:
         return None
     need = f"{per_node_cpus} CPU" + (f" + {per_node_gpus} GPU" if per_node_gpus else "")
     return (
-        f"--nodes {spec.cluster.nodes} with --workers-per-node {spec.cluster.workers_per_node} needs "
-        f"{spec.cluster.nodes} node(s) with {need} each; the cluster has {len(alive)} alive node(s), "
-        f"{len(fitting)} of them large enough"
+        f"--nodes {spec.cluster.nodes_label} with --workers-per-node {spec.cluster.workers_per_node} needs "
+        f"{'at least ' if spec.cluster.elastic else ''}{needed} node(s) with {need} each; the cluster has "
+        f"{len(alive)} alive node(s), {len(fitting)} of them large enough"
     )
 
 

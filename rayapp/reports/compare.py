@@ -65,10 +65,27 @@ class RunSummary:
     cpu_percent_by_node: dict[str, float] = field(default_factory=dict)
     """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine figure,
     100 = every core busy), by node IP in address order."""
+    min_nodes: Optional[int] = None
+    """An elastic run's fewest nodes (``nodes`` is then its most); None for a fixed size."""
+    min_world_size: Optional[int] = None
 
     @property
-    def group(self) -> tuple[str, str, str, str]:
-        return (self.job, self.scaling, self.strategy, self.backend)
+    def elastic(self) -> bool:
+        return self.min_nodes is not None
+
+    @property
+    def nodes_label(self) -> str:
+        return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
+
+    @property
+    def world_label(self) -> str:
+        return f"{self.min_world_size}:{self.world_size}" if self.elastic else str(self.world_size)
+
+    @property
+    def group(self) -> tuple[str, str, str, str, str]:
+        """Runs compared with each other. An elastic run's world size changed while it ran, so it is
+        compared only with runs of the same range, never taken for (or as the baseline of) fixed ones."""
+        return (self.job, self.scaling, self.strategy, self.backend, f"elastic {self.nodes_label}" if self.elastic else "")
 
     @property
     def time_parts(self) -> dict[str, float]:
@@ -137,11 +154,15 @@ def summarize_run(client, run) -> RunSummary:
     memory = epoch_values(client, run_id, "peak_mem_mb")
     epoch_time_s = steady_median(epoch_times)
     metrics = run.data.metrics  # once-per-run figures; runs from before they were logged lack them
+    min_nodes, nodes = _size_range(params["nodes"], run_id, "nodes")
+    min_world, world = _size_range(params["world_size"], run_id, "world_size")
     return RunSummary(
         run_id=run_id,
         job=params["job"],
-        nodes=int(params["nodes"]),
-        world_size=int(params["world_size"]),
+        nodes=nodes,
+        world_size=world,
+        min_nodes=min_nodes,
+        min_world_size=min_world,
         backend=params.get("backend", ""),
         strategy=params.get("strategy", ""),
         scaling=params.get("scaling", ""),
@@ -158,6 +179,15 @@ def summarize_run(client, run) -> RunSummary:
     )
 
 
+def _size_range(text: str, run_id: str, param: str) -> tuple[Optional[int], int]:
+    """A size param: ``2`` -> (None, 2); an elastic run's ``1:2`` -> (1, 2)."""
+    low, sep, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (None, int(low))
+    except ValueError:
+        raise RayappError(f"run {run_id} has {param} {text!r}, not a size rayapp logs") from None
+
+
 def with_scaling(summaries: Iterable[RunSummary]) -> list[RunSummary]:
     """Fill speedup, efficiency and ideal times against each group's smallest run."""
     from dataclasses import replace
@@ -169,6 +199,9 @@ def with_scaling(summaries: Iterable[RunSummary]) -> list[RunSummary]:
     result = []
     for summary in summaries:
         base = baselines[summary.group]
+        if summary.elastic:  # no fixed size to scale from: the figures stand alone
+            result.append(replace(summary, speedup=math.nan, efficiency=math.nan))
+            continue
         workers_ratio = summary.world_size / base.world_size
         speedup = summary.samples_per_s / base.samples_per_s
         article = base.epoch_time_s / workers_ratio
@@ -254,6 +287,11 @@ def _cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+def _shown(summary: RunSummary, name: str):
+    """A column's value; sizes as their labels (an elastic run's ``1:2``)."""
+    return {"nodes": summary.nodes_label, "world_size": summary.world_label}.get(name, getattr(summary, name))
+
+
 def _csv_value(value):
     # One cell per run, as the table writes it but a decimal finer; other values as they are.
     return _cell(value, "{:.1f}") if isinstance(value, dict) else value
@@ -269,9 +307,9 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
         writer = csv.DictWriter(buffer, fieldnames=names)
         writer.writeheader()
         for summary in summaries:
-            writer.writerow({name: _csv_value(getattr(summary, name)) for name in names})
+            writer.writerow({name: _csv_value(_shown(summary, name)) for name in names})
         return buffer.getvalue()
-    rows = [[_cell(getattr(s, name), f) for name, _, f in COLUMNS] for s in summaries]
+    rows = [[_cell(_shown(s, name), f) for name, _, f in COLUMNS] for s in summaries]
     headers = [title for _, title, _ in COLUMNS]
     if fmt == "markdown":
         lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -300,5 +338,6 @@ CAPTION = (
     "efficiency = throughput_N / (N/N_min x throughput_min). "
     "cluster up s: submission to cluster up; workers up s: cluster up to every worker started; "
     "first step s: submission to the first step done. "
-    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy)."
+    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy). "
+    "nodes MIN:MAX: an elastic run, compared with none of fixed size (its world size per epoch is in MLflow)."
 )

@@ -42,7 +42,7 @@ def _groups(summaries: list[RunSummary]) -> dict[tuple, list[RunSummary]]:
 
 
 def _group_label(group: tuple) -> str:
-    return f"{group[0]} ({group[1]}, {group[2]}, {group[3]})"
+    return f"{group[0]} ({', '.join(part for part in group[1:] if part)})"
 
 
 def draw_scaling(throughput_axis: Axes, efficiency_axis: Axes, summaries: list[RunSummary]) -> None:
@@ -74,8 +74,8 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
         for summary in runs:
             positions.append(x)
             ordered.append(summary)
-            plural = "s" if summary.nodes != 1 else ""
-            label = f"world {summary.world_size}\n{summary.nodes} node{plural}"
+            plural = "s" if summary.nodes_label != "1" else ""
+            label = f"world {summary.world_label}\n{summary.nodes_label} node{plural}"
             labels.append(label if len(groups) == 1 else f"{group[0]}, {group[2]}\n{label}")
             x += 1.0
         x += 0.5  # a gap between groups, so bars are compared within one

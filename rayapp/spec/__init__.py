@@ -3,10 +3,9 @@ from defaults < job YAML < command-line flags. Imports nothing else of rayapp.""
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
 from rayapp.spec.errors import SpecError
+from rayapp.spec.cluster import BACKENDS, ClusterSpec
 from rayapp.spec.job import (
-    BACKENDS,
     SCALINGS,
-    ClusterSpec,
     DataSpec,
     JobSpec,
     ModelSpec,

@@ -23,9 +23,9 @@ from rayapp.spec.checks import (
     check_bool,
     is_import_path,
 )
+from rayapp.spec.cluster import ClusterSpec
 from rayapp.spec.errors import SpecError
 
-BACKENDS = ("auto", "nccl", "gloo", "mpi")
 SCALINGS = ("strong", "weak")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_FORMATS = ("dcp", "full")
@@ -216,43 +216,6 @@ class TrainSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterSpec:
-    nodes: int = 1
-    """Ray nodes the workers are spread over (embedded: raylets started on this machine)."""
-    workers_per_node: int = 1
-    backend: str = "auto"
-    """torch.distributed backend; `auto` picks nccl on GPUs and gloo on CPUs."""
-    cpus_per_worker: int = 1
-    address: Optional[str] = None
-    """Existing Ray cluster (`ray://`, `HOST:PORT`, or a Jobs API `http://HOST:8265`); none: embedded cluster."""
-    storage_path: str = "rayapp_results"
-    """Where Ray Train keeps checkpoints; must be shared storage (NFS, s3://, gs://) on a real cluster."""
-    max_failures: int = 0
-    """Worker failures Ray Train recovers from (restarting from the last checkpoint)."""
-    working_dir: Optional[str] = None
-    """Directory shipped to every worker (Ray runtime_env working_dir) so they import your code
-    from it; none: the job file's directory when the job names your code, else nothing."""
-
-    def __post_init__(self) -> None:
-        check_positive_int("cluster.nodes", self.nodes)
-        check_positive_int("cluster.workers_per_node", self.workers_per_node)
-        check_positive_int("cluster.cpus_per_worker", self.cpus_per_worker)
-        check_one_of("cluster.backend", self.backend, BACKENDS)
-        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
-            raise SpecError(f"cluster.max_failures: {self.max_failures!r} is not accepted; use a whole number >= 0")
-        if not isinstance(self.storage_path, str) or not self.storage_path:
-            raise SpecError(f"cluster.storage_path: {self.storage_path!r} is not accepted; use a directory or URI")
-        if self.working_dir is not None and (not isinstance(self.working_dir, str) or not self.working_dir.strip()):
-            raise SpecError(f"cluster.working_dir: {self.working_dir!r} is not accepted; use a directory path")
-        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
-            raise SpecError(f"cluster.address: {self.address!r} is not accepted; use HOST:PORT, ray://HOST:10001 or http://HOST:8265")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.workers_per_node
-
-
-@dataclass(frozen=True, kw_only=True)
 class TrackingSpec:
     experiment: str = "rayapp"
     tracking_uri: Optional[str] = None
@@ -329,6 +292,9 @@ class JobSpec:
             )
         if self.train.pipeline is not None:
             check_pipeline(self)
+        if self.cluster.elastic and (self.train.pipeline is not None or self.train.strategy == "pp"):
+            raise SpecError(f"cluster.nodes: {self.cluster.nodes_label!r} (elastic) is not accepted with strategy pp, "
+                            "whose stages are fixed to the world size; use a fixed --nodes")
         world = self.data_parallel_size  # every worker, unless pipeline stages share one data-parallel replica
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -52,9 +53,31 @@ def read_job_yaml(path: str | Path) -> dict[str, Any]:
     return parse_job_yaml(text, source=str(path))
 
 
+class _JobYamlLoader(yaml.SafeLoader):
+    """YAML as YAML 1.2 reads numbers: ``nodes: 1:2`` is the text "1:2" (elastic 1 to 2 nodes), not
+    YAML 1.1's base-60 integer 62."""
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_JobYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+_JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"""^(?:
+    [-+]?0b[0-1_]+
+    |[-+]?0[0-7_]+
+    |[-+]?(?:0|[1-9][0-9_]*)
+    |[-+]?0x[0-9a-fA-F_]+)$""", re.X), list("-+0123456789"))
+
+
 def parse_job_yaml(text: str, *, source: str = "<job>") -> dict[str, Any]:
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_JobYamlLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from rayapp.spec.catalog import STRATEGIES
 from rayapp.spec.pipeline import SCHEDULES
-from rayapp.spec.job import BACKENDS, PRECISIONS, SCALINGS
+from rayapp.spec.cluster import BACKENDS
+from rayapp.spec.job import PRECISIONS, SCALINGS
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ def _choices(names: tuple[str, ...]) -> str:
 
 
 OVERRIDES: tuple[Override, ...] = (
-    Override("--nodes", "cluster.nodes", int, "Ray nodes to spread workers over."),
+    Override("--nodes", "cluster.nodes", str,
+             "Ray nodes to spread workers over; MIN:MAX (e.g. 1:2) for elastic training."),
     Override("--workers-per-node", "cluster.workers_per_node", int, "Training workers on each node."),
     Override("--backend", "cluster.backend", str,
              f"torch.distributed backend: {_choices(BACKENDS)}; auto = nccl on GPUs, gloo on CPUs."),

@@ -15,7 +15,9 @@ from typing import Any, Mapping, Optional
 
 from rayapp.spec import JobSpec
 
-EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s", "peak_mem_mb")
+EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s",
+                 "peak_mem_mb", "world_size")
+"""Logged every epoch; world_size is the workers that trained it (an elastic run's changes)."""
 FINAL_METRICS = ("total_time_s", "time_to_first_step_s", "param_bytes_per_rank")
 STARTUP_METRICS = ("startup_cluster_s", "startup_workers_s", "time_to_first_step_s")
 """Where the time before training goes: the cluster started or connected (driver), every worker's
@@ -59,9 +61,10 @@ def default_artifact_location(tracking_uri: str) -> Optional[str]:
 def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
     return {
         "job": spec.name,
-        "nodes": str(spec.cluster.nodes),
+        "nodes": spec.cluster.nodes_label,  # 1:2 for an elastic run: never mistaken for a fixed size
         "workers_per_node": str(spec.cluster.workers_per_node),
-        "world_size": str(spec.world_size),
+        "world_size": (f"{spec.cluster.min_world_size}:{spec.world_size}" if spec.cluster.elastic
+                       else str(spec.world_size)),
         "backend": backend,
         "strategy": spec.train.strategy,
         "epochs": str(spec.train.epochs),

@@ -30,6 +30,10 @@ class WorkerConfig:
         """A warning for the person at the submitting terminal."""
         self.send_progress({"message": message})
 
+    def say(self, message: str) -> None:
+        """News for the person at the submitting terminal, not a warning."""
+        self.send_progress({"status": message})
+
     def echo(self, line: str) -> None:
         """A line of the job's own output (a script's stdout) for the submitting terminal."""
         self.send_progress({"output": line})

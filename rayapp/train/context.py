@@ -267,7 +267,10 @@ class TrainContext:
             TAG_ATTEMPTS: str(self._attempt),
         })
         nodes_used = len({node_id for node_id, _ in placed})
-        if nodes_used != self.spec.cluster.nodes:
+        if self.spec.cluster.elastic and self.is_chief:
+            self.config.say(f"elastic ({self.spec.cluster.nodes_label} nodes): training on {nodes_used} node(s), "
+                            f"world size {self.world_size}")
+        elif nodes_used != self.spec.cluster.nodes:
             # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
             self.tell(f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
                       "per-node figures in this run do not describe that many nodes")
@@ -309,6 +312,7 @@ class TrainContext:
             "comm_time_s": comm_time,
             "data_time_s": data_time,
             "peak_mem_mb": peak_mem,
+            "world_size": float(self.world_size),
         }
         epoch = self._epoch
         self._history.append(metrics)
