@@ -3,6 +3,8 @@ short its run, and samples taken while the server is down reach it once it is ba
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,20 +23,36 @@ def new_run(tracking_uri: str) -> str:
     return client.create_run(client.create_experiment("sampler")).info.run_id
 
 
+# A worker's process as it is when its sampler starts: psutil not yet imported.
+SHORT_RUN = """
+import sys, time
+from rayapp.train import system_metrics
+sampler = system_metrics.start(run_id=sys.argv[1], tracking_uri=sys.argv[2], interval_s=30, node=sys.argv[3],
+                               resume=False)
+assert sampler is not None
+busy_until = time.monotonic() + 0.5
+while time.monotonic() < busy_until:  # the machine's CPU is busy while the sample is taken
+    pass
+started = time.monotonic()
+system_metrics.stop(sampler)
+print(time.monotonic() - started)
+"""
+
+
 def test_a_node_whose_work_ends_within_one_interval_still_logs_a_sample(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = new_run(uri)
-    sampler = system_metrics.start(run_id=run_id, tracking_uri=uri, interval_s=30, node=NODE, resume=False)
-    assert sampler is not None
-    time.sleep(0.3)
-    started = time.monotonic()
-    system_metrics.stop(sampler)
+    done = subprocess.run([sys.executable, "-c", SHORT_RUN, run_id, uri, NODE], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     # stop() cuts the interval short rather than waiting it out...
-    assert time.monotonic() - started < 10
+    assert float(done.stdout.split()[-1]) < 10
     # ...and the sample taken so far is written: a worker node whose share of a short run ends
-    # before the first interval is not missing from the run.
+    # before the first interval is not missing from the run...
     history = MlflowClient(uri).get_metric_history(run_id, CPU)
     assert [m.step for m in history] == [0]
+    # ...and it measures the time it covers, not psutil's 0.0 for a first reading in a process
+    assert history[0].value > 0, history
 
 
 @pytest.mark.integration

@@ -210,6 +210,7 @@ def check_ui(base: str, sweep: Sweep, prefix: Path, workflow: str | None) -> Non
                 try:
                     check_child_charts(page, f"{runs}/{sweep.child_id}{query}", sweep,
                                        Path(f"{prefix}-child-run-metrics.png"))
+                    check_system_charts(page, sweep, Path(f"{prefix}-child-run-system-metrics.png"))
                     check_parent_plot(page, f"{runs}/{sweep.parent_id}{query}", sweep,
                                       Path(f"{prefix}-bench-parent-{BENCH_PLOT}"))
                 except Exception:
@@ -259,10 +260,12 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
     page.locator(SECTION).first.wait_for()
     # the section counts a chart per metric the run logged; only the ones in view are drawn,
     # so narrow the grid to the charts checked here with the page's own search box (a regex)
+    # system/<node>/... metrics have their own tab, checked below
+    model_metrics = [key for key in sweep.child_metrics if not key.startswith("system/")]
     wait_until(page, "([selector, count]) => (document.querySelector(selector) || {}).innerText"
                      "?.includes(`(${count})`)",
-               [SECTION, len(sweep.child_metrics)],
-               f"the Model metrics section did not count {len(sweep.child_metrics)} charts")
+               [SECTION, len(model_metrics)],
+               f"the Model metrics section did not count {len(model_metrics)} charts")
     page.get_by_placeholder("Search metric charts").fill(f"^({'|'.join(CHARTS)})$")
     expected = [[key, f"{sweep.child_name} ({key})"] for key in CHARTS]
     wait_until(
@@ -276,6 +279,26 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
         f"charts {list(CHARTS)} with {EPOCHS} points each did not appear",
         CHART_CARDS_JS, CARD,
     )
+    screenshot(page, shot)
+
+
+def check_system_charts(page, sweep: Sweep, shot: Path) -> None:
+    """The same run's System metrics tab has a section per node, each counting that node's metrics."""
+    per_node: dict[str, int] = {}
+    for key in sweep.child_metrics:
+        if key.startswith("system/"):
+            node = key.split("/")[1]
+            per_node[f"system/{node}"] = per_node.get(f"system/{node}", 0) + 1
+    assert len(per_node) == 2, f"a 2-node run should hold system metrics of 2 nodes: {sorted(per_node)}"
+    page.get_by_role("tab", name="System metrics").click()
+    headers_js = "selector => Array.from(document.querySelectorAll(selector)).map(h => h.innerText)"
+    wait_until(page, f"""([selector, expected]) => {{
+                    const headers = ({headers_js})(selector);
+                    return Object.entries(expected).every(([section, count]) => headers.some(
+                        text => text.startsWith(section + "\\n") && text.includes(`(${{count}})`)));
+                }}""",
+               [SECTION, per_node], f"the System metrics tab did not show sections {per_node}",
+               headers_js, SECTION)
     screenshot(page, shot)
 
 

@@ -318,7 +318,8 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=CAPTION)
+    caption = CAPTION + (ELASTIC_CAPTION if any(s.elastic for s in summaries) else "")
+    table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=caption)
     for _, title, f in COLUMNS:
         table.add_column(title, justify="left" if f == "{}" or title in ("run", "cpu % per node") else "right")
     for row in rows:
@@ -338,6 +339,6 @@ CAPTION = (
     "efficiency = throughput_N / (N/N_min x throughput_min). "
     "cluster up s: submission to cluster up; workers up s: cluster up to every worker started; "
     "first step s: submission to the first step done. "
-    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy). "
-    "nodes MIN:MAX: an elastic run, compared with none of fixed size (its world size per epoch is in MLflow)."
+    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy)."
 )
+ELASTIC_CAPTION = " nodes MIN:MAX: an elastic run, compared with none of fixed size (its world size per epoch is in MLflow)."

@@ -66,10 +66,16 @@ def _node_sampler_class() -> type:
 
     class NodeSampler(SystemMetricsMonitor):
         def monitor(self) -> None:
+            import psutil
+
+            # CPU % is measured between two calls in this process, and a first call has nothing to
+            # measure against (psutil answers 0.0): start the clock here, and sample at the end of
+            # each interval, so every sample (a short run's only one too) covers the time just passed.
+            psutil.cpu_percent()
             warned = False
             while not self._shutdown_event.is_set():
-                self.collect_metrics()
                 self._shutdown_event.wait(self.sampling_interval)
+                self.collect_metrics()
                 try:
                     self.publish_metrics(self.aggregate_metrics())  # writes when its batch is due
                 except Exception as exc:
