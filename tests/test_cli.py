@@ -31,6 +31,8 @@ def test_help_has_examples():
     [
         (["--nodes", "0"], "cluster.nodes: 0 is not accepted; use a whole number >= 1"),
         (["--nodes", "-3"], "cluster.nodes: -3"),
+        (["--nodes", "2:1"], "cluster.min_nodes: 2 is more than cluster.nodes 1; use --nodes MIN:MAX with MIN <= MAX"),
+        (["--nodes", "one"], "cluster.nodes: 'one' is not accepted; use a whole number >= 1, or MIN:MAX"),
         (["--backend", "tcp"], "cluster.backend: 'tcp' is not accepted; use one of: auto, nccl, gloo, mpi"),
         (["--strategy", "pipeline"], "train.strategy: 'pipeline' is not accepted"),
         (["--epochs", "0"], "train.epochs: 0"),

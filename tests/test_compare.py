@@ -15,14 +15,15 @@ from rayapp.tracking.logger import RunLogger
 from rayapp.tracking.run import close_run, open_run
 
 
-def log_run(uri: str, *, job: str, world: int, scaling: str, epochs: list[dict], experiment: str = "cmp") -> str:
+def log_run(uri: str, *, job: str, world: int | str, scaling: str, epochs: list[dict], experiment: str = "cmp") -> str:
+    """world: a fixed size, or an elastic run's "MIN:MAX" as rayapp logs it in `nodes` and `world_size`."""
     params = {"job": job, "nodes": str(world), "world_size": str(world), "workers_per_node": "1",
               "backend": "gloo", "strategy": "ddp", "scaling": scaling}
     run_id = open_run(tracking_uri=uri, experiment=experiment, run_name=f"{job}-{world}", params=params, tags={})
     logger = RunLogger(uri, run_id, fallback_path=f"/nonexistent/{run_id}.jsonl")
     for epoch, metrics in enumerate(epochs):
         logger.log_epoch(epoch, metrics)
-    logger.log_metrics({"param_bytes_per_rank": 4 * 2**20 / world}, step=len(epochs) - 1)
+    logger.log_metrics({"param_bytes_per_rank": 4 * 2**20 / int(str(world).split(":")[-1])}, step=len(epochs) - 1)
     assert logger.close() is None  # all delivered: no fallback file
     close_run(uri, run_id, "FINISHED")
     return run_id
@@ -115,3 +116,37 @@ def test_render_marks_unmeasured_as_dash(store):
 
     text = render([replace(summaries[0], comm_share=math.nan)], "markdown")
     assert "| - |" in text
+
+
+def test_an_elastic_run_is_compared_with_no_fixed_size(store):
+    uri, ids = store
+    # same job, scaling and strategy as weak1/weak2, but its world size changed while it ran
+    elastic = log_run(uri, job="seed", world="1:2", scaling="weak", epochs=epochs(0.5, 5000.0, 0.1))
+    summaries = load_summaries(uri, experiment="cmp")
+    (summary,) = [s for s in summaries if s.run_id == elastic]
+    assert (summary.elastic, summary.nodes_label, summary.world_label) == (True, "1:2", "1:2")
+    assert math.isnan(summary.speedup) and math.isnan(summary.efficiency)
+    # the fixed runs keep their own baseline: weak1, not the elastic run's faster, smaller minimum
+    weak = {s.world_size: s for s in summaries if s.job == "seed" and not s.elastic}
+    assert weak[2].speedup == pytest.approx(1.6)
+
+    (row,) = [row for row in csv_rows(runner_output(uri, "csv")) if row["nodes"] == "1:2"]
+    assert (row["job"], row["world_size"], row["efficiency"]) == ("seed", "1:2", "nan")  # unmeasured, as pandas reads it
+    markdown = runner_output(uri, "markdown")
+    (line,) = [line for line in markdown.splitlines() if line.startswith("| seed | 1:2 |")]
+    assert "| - |" in line  # no efficiency
+    assert "elastic run" in runner_output(uri, "table")
+    assert "elastic run" not in render([s for s in summaries if not s.elastic], "table")
+
+
+def runner_output(uri: str, fmt: str) -> str:
+    result = CliRunner().invoke(main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", fmt])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def csv_rows(text: str) -> list[dict]:
+    import csv
+    import io
+
+    return list(csv.DictReader(io.StringIO(text)))

@@ -196,3 +196,57 @@ def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two
         assert {"message": "first"} in shown and {"message": "second"} not in shown
     finally:
         ray.shutdown()
+
+
+ELASTIC_JOB = """\
+# seed_linear, elastic between 1 and 2 nodes, checking every 5 s for a node to grow onto
+{seed}
+  resize_interval_s: 5
+"""
+
+
+def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(workdir):
+    """--nodes 1:2 on a 2-node cluster that is not rayapp's own (as a user's, under an autoscaler):
+    losing a node, training goes on at world size 1; the node back (the test starts it, where an
+    autoscaler would), training grows to world size 2 again; every epoch in the run once, each
+    with the world size it ran at."""
+    job = workdir / "elastic.yaml"
+    job.write_text(ELASTIC_JOB.format(seed=(JOBS / "seed_linear.yaml").read_text().rstrip()))
+    epochs = 5000  # more than the test waits for: it ends the run itself, by SIGTERM
+    with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
+        # what rayapp sets for its embedded cluster: Ray Train, restarting after the loss, may first
+        # try the old size on a stale view of the cluster and wait this long before trying fewer
+        env = {**cluster.auth_env, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
+        process = start_rayapp("submit", "--address", cluster.address, "--nodes", "1:2", "--epochs", str(epochs),
+                               str(job), cwd=workdir, env=env)
+        try:
+            wait_for_line(process, "training on 2 node(s), world size 2")
+            wait_for_line(process, f" 3/{epochs}  loss")
+            kill_node(os.getpid(), "127.0.0.3")
+            wait_for_line(process, "training on 1 node(s), world size 1", timeout=180)
+            wait_for_line(process, "loss")  # an epoch done with one node
+            cluster.restart_node(1)
+            wait_for_line(process, "training on 2 node(s), world size 2", timeout=180)
+            for _ in range(3):  # and a few epochs on both again
+                wait_for_line(process, "loss")
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 143, output[-3000:]
+
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.status == "KILLED"
+    assert run.data.params["nodes"] == "1:2" and run.data.params["world_size"] == "1:2"
+    steps = {key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) for key in EPOCH_METRICS}
+    logged = steps["loss"]
+    assert logged == list(range(len(logged))), f"epochs missing or logged twice: {logged}"
+    for key, key_steps in steps.items():
+        assert key_steps == logged, f"{key} logged at {key_steps}, loss at {logged}"
+    sizes = [int(m.value) for m in sorted(client.get_metric_history(run.info.run_id, "world_size"),
+                                          key=lambda m: m.step)]
+    # 2, then 1 while the node was away, then 2 again: runs of the same size collapsed
+    phases = [size for index, size in enumerate(sizes) if index == 0 or sizes[index - 1] != size]
+    assert phases == [2, 1, 2], sizes

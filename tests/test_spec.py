@@ -142,3 +142,40 @@ def test_single_process_strategies_need_one_worker(strategy):
 def test_mp_needs_layers_to_split():
     with pytest.raises(SpecError, match="'mp' splits the model's layers"):
         build_spec({}, {"train.strategy": "mp"})
+
+
+@pytest.mark.parametrize("nodes", ["1:2", " 1:2 "])
+def test_nodes_range_is_elastic(nodes):
+    spec = build_spec({}, {"cluster.nodes": nodes})
+    assert (spec.cluster.min_nodes, spec.cluster.nodes, spec.cluster.elastic) == (1, 2, True)
+    assert spec.cluster.nodes_label == "1:2"
+    assert (spec.cluster.min_world_size, spec.cluster.world_size) == (1, 2)
+    assert spec.cluster.failures_allowed == 1  # a lost node is a restart onto fewer, not the run's end
+
+
+def test_unquoted_range_in_yaml_is_elastic_not_a_base_60_number():
+    # YAML 1.1 reads 1:2 as sexagesimal 62; rayapp's loader reads it as the text it looks like
+    spec = build_spec(parse_job_yaml("cluster:\n  nodes: 1:2\n"), {})
+    assert (spec.cluster.min_nodes, spec.cluster.nodes) == (1, 2)
+
+
+def test_min_nodes_key_and_equal_bounds():
+    assert build_spec(parse_job_yaml("cluster:\n  nodes: 4\n  min_nodes: 2\n"), {}).cluster.nodes_label == "2:4"
+    fixed = build_spec({}, {"cluster.nodes": "2:2"}).cluster
+    assert (fixed.elastic, fixed.nodes, fixed.failures_allowed) == (False, 2, 0)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"cluster.nodes": "2:1"}, "cluster.min_nodes: 2 is more than cluster.nodes 1"),
+    ({"cluster.nodes": "0:2"}, "cluster.min_nodes: 0"),
+    ({"cluster.nodes": "1:"}, "cluster.nodes: '1:' is not accepted; use a whole number >= 1, or MIN:MAX"),
+    ({"cluster.nodes": "a:b"}, "cluster.nodes: 'a:b' is not accepted"),
+    ({"cluster.nodes": "1:2", "cluster.min_nodes": 1}, "gives a minimum and so does cluster.min_nodes"),
+    ({"cluster.nodes": "1:2", "cluster.resize_interval_s": 0}, "cluster.resize_interval_s: 0 is not accepted"),
+    ({"cluster.nodes": "1:2", "train.strategy": "pp"}, "(elastic) is not accepted with strategy pp"),
+])
+def test_bad_node_ranges_are_one_line(overrides, message):
+    with pytest.raises(SpecError) as caught:
+        build_spec({}, overrides)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)

@@ -186,6 +186,12 @@ class EmbeddedCluster:
         else:
             self._processes.append(process)
 
+    def restart_node(self, index: int) -> None:
+        """Start worker node `index` again after it was lost, with the same IP and resources."""
+        if not 0 < index < len(self._processes):
+            raise ValueError(f"node index {index} is not a worker node of this cluster (1..{len(self._processes) - 1})")
+        self._start_node(index, [f"--address={self.address}"])
+
     def exited_nodes(self) -> list[str]:
         """IPs of nodes whose `ray start` process has exited (killed, crashed, machine lost)."""
         return [node_ip(index) for index, process in enumerate(self._processes) if process.poll() is not None]
@@ -215,7 +221,7 @@ class EmbeddedCluster:
                         del lost_since[index]
                         if replace_after_s:
                             on_restart(f"node {node_ip(index)} is starting again")
-                        self._start_node(index, [f"--address={self.address}"])
+                        self.restart_node(index)
 
         self._watchdog = threading.Thread(target=watch, name="rayapp-node-watchdog", daemon=True)
         self._watchdog.start()

@@ -290,11 +290,11 @@ class JobSpec:
             raise SpecError(
                 "train.loss: missing; with data.factory name the loss: cross_entropy, mse or module:function"
             )
-        if self.train.pipeline is not None:
-            check_pipeline(self)
         if self.cluster.elastic and (self.train.pipeline is not None or self.train.strategy == "pp"):
             raise SpecError(f"cluster.nodes: {self.cluster.nodes_label!r} (elastic) is not accepted with strategy pp, "
                             "whose stages are fixed to the world size; use a fixed --nodes")
+        if self.train.pipeline is not None:
+            check_pipeline(self)
         world = self.data_parallel_size  # every worker, unless pipeline stages share one data-parallel replica
         if self.train.scaling == "strong":
             gbs = self.train.global_batch_size
