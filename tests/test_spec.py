@@ -179,3 +179,14 @@ def test_bad_node_ranges_are_one_line(overrides, message):
         build_spec({}, overrides)
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_an_elastic_strong_run_keeps_its_global_batch_at_every_size():
+    spec = build_spec({"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:2"})
+    assert (spec.batch_size_at(2), spec.batch_size_at(1)) == (32, 64)
+    weak = build_spec({}, {"cluster.nodes": "1:2"})
+    assert weak.batch_size_at(1) == weak.batch_size_at(2) == weak.train.batch_size
+    with pytest.raises(SpecError) as caught:
+        build_spec({"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:4"})
+    assert "64 is not divisible by every world size an elastic run may train at (1 to 4)" in str(caught.value)
+    assert "e.g. 60" in str(caught.value)

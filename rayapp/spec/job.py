@@ -8,6 +8,7 @@ defaults < job YAML < command-line flags.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -304,6 +305,13 @@ class JobSpec:
                     f"(nodes {self.cluster.nodes} * workers_per_node {self.cluster.workers_per_node}); "
                     "pick a global batch that is a multiple of the world size"
                 )
+            sizes = range(self.cluster.min_world_size, self.cluster.world_size + 1) if self.cluster.elastic else ()
+            if any(gbs % size for size in sizes):
+                raise SpecError(
+                    f"train.global_batch_size: {gbs} is not divisible by every world size an elastic run "
+                    f"may train at ({self.cluster.min_world_size} to {self.cluster.world_size}); pick a multiple "
+                    f"of each, e.g. {math.lcm(*sizes) * max(1, gbs // math.lcm(*sizes))}"
+                )
             per_rank_samples = (self.num_train_samples or gbs) // world  # a user's data set: checked when built
             if per_rank_samples < gbs // world:
                 raise SpecError(
@@ -323,9 +331,15 @@ class JobSpec:
 
     @property
     def batch_size_per_worker(self) -> int:
+        return self.batch_size_at(self.world_size)
+
+    def batch_size_at(self, world_size: int) -> int:
+        """Samples per worker per step when `world_size` workers train: an elastic run's world size
+        changes, and under strong scaling the global batch, not the worker's, stays the same."""
         if self.train.scaling == "weak":
             return self.train.batch_size
-        return self.train.global_batch_size // self.data_parallel_size
+        replicas = world_size // self.train.pipeline.stages if self.train.pipeline else world_size
+        return self.train.global_batch_size // replicas
 
     @property
     def global_batch_size(self) -> int:

@@ -61,7 +61,7 @@ def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int,
     same batches, without a Python call per sample."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                  seed=spec.train.seed, drop_last=True)
-    batch_size = batch_size or spec.batch_size_per_worker
+    batch_size = batch_size or spec.batch_size_at(world_size)
     options = {"num_workers": spec.data.loader_workers, "pin_memory": pin_memory, **loader_kwargs}
     if isinstance(dataset, TensorDataset) and "collate_fn" not in loader_kwargs:
         batches = BatchSampler(sampler, batch_size, drop_last=True)

@@ -102,7 +102,7 @@ def standard_loop(ctx: TrainContext) -> None:
         # -- end of epoch: loss averaged over ranks; the test set, when there is one
         metrics = {"loss": ctx.mean(loss_sum / max(steps, 1))}
         if datasets.test is not None:
-            metrics.update(evaluate(model, datasets.test, loss_fn, batch_size=spec.batch_size_per_worker,
+            metrics.update(evaluate(model, datasets.test, loss_fn, batch_size=spec.batch_size_at(ctx.world_size),
                                     input_device=ctx.input_device, output_device=ctx.output_device,
                                     classification=classification))
         ctx.log_epoch(metrics)
