@@ -131,3 +131,9 @@ def test_a_hangup_or_terminate_ends_a_command_like_ctrl_c_with_128_plus_the_sign
     assert result.returncode == exit_code, result.stderr
     assert "clean-up ran" in result.stdout
     assert f"terminated by {signal.Signals(signum).name}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cluster_up_checks_its_node_count_before_starting_anything():
+    result = invoke("cluster", "up", "--nodes", "0")
+    assert result.exit_code == 2
+    assert result.output.strip() == "rayapp: error: --nodes: 0 is not accepted; use a whole number >= 1"

@@ -29,7 +29,7 @@ def cluster() -> None:
 
 
 @cluster.command(context_settings=CONTEXT_SETTINGS)
-@shared_option("--nodes", default=2, show_default=True,
+@shared_option("--nodes", type=int, default=2, show_default=True,
                help="Nodes to start: one raylet each, on 127.0.0.2, 127.0.0.3, ...")
 @click.option("--cpus-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="CPUs each node offers to training workers.")
