@@ -198,20 +198,17 @@ def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two
         ray.shutdown()
 
 
-ELASTIC_JOB = """\
-# seed_linear, elastic between 1 and 2 nodes, checking every 5 s for a node to grow onto
-{seed}
-  resize_interval_s: 5
-"""
-
-
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(workdir):
     """--nodes 1:2 on a 2-node cluster that is not rayapp's own (as a user's, under an autoscaler):
     losing a node, training goes on at world size 1; the node back (the test starts it, where an
     autoscaler would), training grows to world size 2 again; every epoch in the run once, each
     with the world size it ran at."""
-    job = workdir / "elastic.yaml"
-    job.write_text(ELASTIC_JOB.format(seed=(JOBS / "seed_linear.yaml").read_text().rstrip()))
+    import yaml
+
+    job = workdir / "elastic.yaml"  # seed_linear, checking every 5 s for a node to grow onto
+    document = yaml.safe_load((JOBS / "seed_linear.yaml").read_text())
+    document["cluster"]["resize_interval_s"] = 5
+    job.write_text(yaml.safe_dump(document))
     epochs = 5000  # more than the test waits for: it ends the run itself, by SIGTERM
     with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
         # what rayapp sets for its embedded cluster: Ray Train, restarting after the loss, may first
