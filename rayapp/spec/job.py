@@ -338,8 +338,9 @@ class JobSpec:
         changes, and under strong scaling the global batch, not the worker's, stays the same."""
         if self.train.scaling == "weak":
             return self.train.batch_size
-        replicas = world_size // self.train.pipeline.stages if self.train.pipeline else world_size
-        return self.train.global_batch_size // replicas
+        if self.train.pipeline:  # never elastic: the replicas are fixed by the stages
+            return self.train.global_batch_size // self.data_parallel_size
+        return self.train.global_batch_size // world_size
 
     @property
     def global_batch_size(self) -> int:
