@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 from rayapp.errors import RayappError
+from rayapp.spec.cluster import size_label
 from rayapp.reports.tables import epoch_values, steady_median
 
 
@@ -75,11 +76,11 @@ class RunSummary:
 
     @property
     def nodes_label(self) -> str:
-        return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
+        return size_label(self.min_nodes, self.nodes)
 
     @property
     def world_label(self) -> str:
-        return f"{self.min_world_size}:{self.world_size}" if self.elastic else str(self.world_size)
+        return size_label(self.min_world_size, self.world_size)
 
     @property
     def group(self) -> tuple[str, str, str, str, str]:

@@ -12,6 +12,11 @@ from rayapp.spec.errors import SpecError
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 
 
+def size_label(low: Optional[int], high: int) -> str:
+    """A size as rayapp logs it (the `nodes` and `world_size` params): ``2``, or an elastic ``1:2``."""
+    return str(high) if low is None else f"{low}:{high}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     nodes: int = 1
@@ -88,7 +93,11 @@ class ClusterSpec:
     @property
     def nodes_label(self) -> str:
         """``2``, or ``1:2`` for an elastic run: as the run's `nodes` param and `compare` show it."""
-        return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
+        return size_label(self.min_nodes, self.nodes)
+
+    @property
+    def world_label(self) -> str:
+        return size_label(self.min_world_size if self.elastic else None, self.world_size)
 
     @property
     def world_size(self) -> int:

@@ -63,8 +63,7 @@ def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
         "job": spec.name,
         "nodes": spec.cluster.nodes_label,  # 1:2 for an elastic run: never mistaken for a fixed size
         "workers_per_node": str(spec.cluster.workers_per_node),
-        "world_size": (f"{spec.cluster.min_world_size}:{spec.world_size}" if spec.cluster.elastic
-                       else str(spec.world_size)),
+        "world_size": spec.cluster.world_label,
         "backend": backend,
         "strategy": spec.train.strategy,
         "epochs": str(spec.train.epochs),
