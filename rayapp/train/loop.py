@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from rayapp.train.builders import import_object
+from rayapp.train import system_metrics
 from rayapp.train.collectives import evaluate
 from rayapp.train.config import WorkerConfig
 from rayapp.train.context import TrainContext
@@ -40,6 +41,9 @@ def train_loop_per_worker(config: dict) -> None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
     device = get_device()
+    if context.get_local_rank() == 0 and rank != 0:  # rank 0 imports MLflow for its logger just below
+        system_metrics.preload(tracking_uri=worker_config.tracking_uri,
+                               interval_s=worker_config.spec.tracking.system_metrics_s)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     logger = (

@@ -8,6 +8,7 @@ One sampler per node, not per worker: the figures describe the machine, not the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -20,6 +21,23 @@ MAX_UNSENT = 10_000
 """Samples' metrics kept while the store does not take them (oldest dropped first): a store down
 for hours must not grow a worker's memory without bound."""
 FINAL_WRITE_TRIES = 3
+
+
+def preload(*, tracking_uri: str, interval_s: float) -> None:
+    """Import MLflow's monitor now, at the loop's start. Imported only when the sampler starts,
+    after the first collective, the import (seconds) ran on a worker node while every other rank
+    waited for it; here it runs beside rank 0's own MLflow import."""
+    if interval_s <= 0:
+        return
+    with contextlib.suppress(ImportError):  # start() says why, once
+        import mlflow.system_metrics.system_metrics_monitor  # noqa: F401
+        from mlflow.store.db.db_types import DATABASE_ENGINES
+
+        # The store's module too (SQLAlchemy's: another second), which the sampler's client loads.
+        if tracking_uri.partition(":")[0].partition("+")[0] in DATABASE_ENGINES:
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+        else:
+            import mlflow.store.tracking.rest_store  # noqa: F401
 
 
 def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resume: bool) -> Optional[Any]:
