@@ -28,6 +28,17 @@ it, so the first restart asks for every node and waits for the lost one until th
 next asks for the nodes left. Workers on this machine start in seconds."""
 
 
+LOCAL_RAY_TRAIN_SETTINGS = {
+    # Ray Train's preemption watcher (one more actor process per job) follows nodes that a cloud
+    # drains before taking them away; nodes on this machine are never drained.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Ray Train's Prometheus metrics: nothing scrapes them on this machine (rayapp's own go to MLflow).
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+}
+"""Ray Train settings for jobs on the embedded or warm cluster, where they cut start-up work that
+serves only real clusters (docs/benchmarks.md, "Warm cluster"). A value set by the user wins."""
+
+
 def first_line(exc: BaseException) -> str:
     """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person needs."""
     cause = exc
@@ -83,6 +94,8 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
             connect(address, None, f"Ray cluster at {address!r}")
             yield ClusterSession(address)
             return
+        for name, value in LOCAL_RAY_TRAIN_SETTINGS.items():
+            os.environ.setdefault(name, value)
         running = warm.find(status)
         if running is not None:
             running.check_fits(spec.cluster.nodes)
