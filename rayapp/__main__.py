@@ -1,3 +1,3 @@
-from rayapp.cli import main
+from rayapp.cli import run
 
-main()
+run()
