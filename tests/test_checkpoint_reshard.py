@@ -48,6 +48,9 @@ def group(rank: int, world: int, port: int, body, *args) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         body(rank, *args)
+        # Every rank done before any tears down: Gloo can abort a rank whose peer destroyed the group
+        # (and, on rank 0, the store) first ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
