@@ -77,7 +77,19 @@ def footprint(record: warm.WarmCluster, temp_root: Path) -> dict:
         **{f"{name} descriptors": by_name.get(name, 0) for name in COUNTED_APART},
         "listening ports": len(listening_ports(processes)),
         "temp dirs": len(os.listdir(temp_root)),
+        # per process, for the descriptors of the processes that live through every job
+        "by pid": {pid: (process_name(pid), descriptors(pid)) for pid in processes},
     }
+
+
+def lasting_descriptors(first: dict, last: dict) -> tuple[int, int]:
+    """Descriptors held after the first and after the last job by the processes alive at both counts,
+    the log monitor and the GCS apart. Ray's idle worker processes come and go between jobs (about 40
+    descriptors each); a new process carries nothing over from earlier jobs, so only a process that
+    lives through them all can accumulate a leak."""
+    lasting = [pid for pid, (name, _) in first["by pid"].items()
+               if pid in last["by pid"] and name not in COUNTED_APART]
+    return sum(first["by pid"][pid][1] for pid in lasting), sum(last["by pid"][pid][1] for pid in lasting)
 
 
 def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
@@ -94,7 +106,7 @@ def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
             result = run_rayapp("submit", "--nodes", "2", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=tmp_path)
             assert result.returncode == 0, f"job {job + 1}: {result.stderr[-2000:]}"
             counts.append(footprint(record, temp_root))
-            print(f"after job {job + 1}: {counts[-1]}")
+            print(f"after job {job + 1}: {({k: v for k, v in counts[-1].items() if k != 'by pid'})}")
     finally:
         assert run_rayapp("cluster", "down", cwd=tmp_path).returncode == 0
         # torch's compile cache (torchinductor_<user>) is shared by every run on purpose
@@ -103,8 +115,10 @@ def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
     assert not left, f"left in the temp dir after `cluster down`: {left}"
     first, last = counts[0], counts[-1]
     # Ray keeps a pool of idle workers (one per CPU) for the next job; at the moment of counting
-    # it may be full or refilling, hence one process (and its descriptors and port) per node.
+    # it may be full or refilling, hence one process (and its port) per node.
     assert last["processes"] <= first["processes"] + record.nodes, counts
-    assert last["descriptors"] <= first["descriptors"] + 30 * record.nodes, counts
+    before, after = lasting_descriptors(first, last)
+    # a few descriptors of slack: a raylet or agent may hold a connection open at the moment of counting
+    assert after <= before + 5 * record.nodes, (before, after, counts)
     assert last["listening ports"] <= first["listening ports"] + record.nodes, counts
     assert last["temp dirs"] <= first["temp dirs"], counts
