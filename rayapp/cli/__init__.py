@@ -3,36 +3,20 @@ rayapp imports it."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
-import threading
 
 from rayapp.cli.app import main
+from rayapp.cli.program import run_here
 
 __all__ = ["main", "run"]
 
 
 def run() -> None:
-    """`rayapp` as a program (the console script and `python -m rayapp`): the command group, then
-    an exit that skips the interpreter's teardown.
+    """`rayapp` as a program (the console script and `python -m rayapp`): in a child of the warm
+    cluster's preloaded driver when one serves this command (rayapp.cli.preloaded), else here; then
+    an exit that skips the interpreter's teardown."""
+    from rayapp.cli.preloaded import hand_over
 
-    With torch, Ray and MLflow loaded, Python's teardown of their modules takes a second or more
-    after the last line is printed (1.1 s of a 16 s warm submit on a 2-core machine), time in
-    which the command has nothing left to do. Exit handlers still run, threads that are not
-    daemons are waited for, and output is flushed, as at a normal exit."""
-    try:
-        main(prog_name="rayapp")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, exit 1
-        print(code, file=sys.stderr)
-        code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    code = hand_over(sys.argv, status=lambda message: print(f"rayapp: {message}", file=sys.stderr))
+    os._exit(run_here() if code is None else code)

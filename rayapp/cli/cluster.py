@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import click
 
 from rayapp.cli.common import CONTEXT_SETTINGS, friendly_errors
 from rayapp.cli.flags import shared_option
+
+
+_ENVIRONMENT_AT_START = dict(os.environ)
+"""The user's environment, before connecting to Ray adds its auth settings to os.environ: the
+preloaded driver serves commands whose environment matches the one it was started in."""
 
 
 def _say(message: str) -> None:
@@ -44,7 +52,26 @@ def up(nodes: int, cpus_per_node: int) -> None:
         raise SpecError(f"--nodes: {nodes} is not accepted; use a whole number >= 1")
     record = warm.up(nodes, cpus_per_node, gpus_per_node=local_gpus() // nodes, status=_say)
     _say(f"warm cluster up: {record.describe()}")
+    _start_preloaded_driver(record)
     _say(f"record: {warm.state_file()}; stop it with `rayapp cluster down`")
+
+
+def _start_preloaded_driver(record) -> None:
+    """The server that later submits and benches start in, with torch, Ray Train and MLflow
+    already imported (rayapp.cli.preloaded). The cluster is of use without it: a failure is said."""
+    from rayapp.cli import preloaded
+    from rayapp.launch import warm
+    from rayapp.launch.cluster import start_time
+
+    socket_path = warm.driver_socket()
+    log_path = Path(record.log_dir) / "preloaded-driver.log"
+    _say("starting the preloaded driver (torch, Ray Train, MLflow imported once for every submit)")
+    pid = preloaded.start(socket_path, log_path, env=_ENVIRONMENT_AT_START)
+    if preloaded.wait_ready(socket_path, pid):
+        warm.attach_driver(record, pid)
+    else:
+        warm.stop_driver({pid: start_time(pid) or ""})
+        _say(f"the preloaded driver did not start (see {log_path}); submits will start their own")
 
 
 @cluster.command(context_settings=CONTEXT_SETTINGS)
@@ -59,6 +86,10 @@ def status() -> None:
         return
     _say(f"warm cluster: {record.describe()}")
     _say(f"node processes: {', '.join(str(pid) for pid in record.leaders)}; logs: {record.log_dir}")
+    if warm.preloaded_driver_socket() is not None:
+        _say(f"preloaded driver: process {', '.join(str(pid) for pid in record.driver)}, socket {warm.driver_socket()}")
+    else:
+        _say("preloaded driver: not running (submits start their own)")
 
 
 @cluster.command(context_settings=CONTEXT_SETTINGS)

@@ -99,7 +99,8 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
         running = warm.find(status)
         if running is not None:
             running.check_fits(spec.cluster.nodes)
-            status(f"using the warm cluster: {running.describe()} (`rayapp cluster down` stops it)")
+            driver = ", from its preloaded driver" if warm.PRELOADED_DRIVER else ""
+            status(f"using the warm cluster: {running.describe()}{driver} (`rayapp cluster down` stops it)")
             running.prepare_client()
             connect(running.address, running.head_ip,
                     f"the warm cluster at {running.address} (node logs: {running.log_dir})")

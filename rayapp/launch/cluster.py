@@ -174,8 +174,11 @@ class EmbeddedCluster:
             *args,
         ]
         log = open(self.log_dir / f"node-{index}.log", "a")
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env, **_NO_DRAIN_ON_SIGTERM, **_FAST_NODE_DEATH,
-                   **self._own_address_env())
+        # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray Train's
+        # placement-group cleaner asks every second) find this one, not the one the last plain `ray
+        # start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end with it.
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address, **self.auth_env,
+                   **_NO_DRAIN_ON_SIGTERM, **_FAST_NODE_DEATH)
         if self.gpus_per_node:
             first = index * self.gpus_per_node
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.gpus_per_node))
@@ -186,15 +189,6 @@ class EmbeddedCluster:
             self._processes[index] = process  # a lost node started again
         else:
             self._processes.append(process)
-
-    def _own_address_env(self) -> dict[str, str]:
-        """RAY_ADDRESS for every process of the cluster's nodes, so Ray's own lookups of "the
-        cluster" from inside a worker find this one. Ray Train's placement-group cleaner asks the
-        State API about the controller once a second, and with no RAY_ADDRESS the State API takes
-        the cluster named in /tmp/ray/ray_current_cluster: the last one `ray start` began there
-        without --temp-dir (the user's own, or one long gone). A gone one made every such lookup
-        wait out its 10 s timeout, and every run's end with it."""
-        return {"RAY_ADDRESS": self.address}
 
     def restart_node(self, index: int) -> None:
         """Start worker node `index` again after it was lost, with the same IP and resources."""

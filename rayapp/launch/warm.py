@@ -6,15 +6,20 @@ cache directory records where it listens, its node processes (pid and start time
 after a reboot is not mistaken for a node) and its Ray auth token, so the file is the user's
 alone (mode 0600). `submit` and `bench` with no --address use it when it is alive;
 `rayapp cluster down` stops exactly the processes the file names.
+
+Beside the nodes, `cluster up` starts a preloaded driver (rayapp.cli.preloaded) that submits and
+benches start in; the record names it too, and its socket lies next to the record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import secrets
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,6 +30,9 @@ from rayapp.spec import SpecError
 
 STATE_DIR_ENV = "RAYAPP_STATE_DIR"
 STATE_FILE_NAME = "cluster.json"
+DRIVER_SOCKET_NAME = "driver.sock"
+PRELOADED_DRIVER = False
+"""True in a command that runs in a child of the warm cluster's preloaded driver."""
 
 
 def state_file() -> Path:
@@ -49,6 +57,8 @@ class WarmCluster:
     log_dir: str
     temp_dirs: list[str]
     started_at: float
+    driver: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The preloaded driver's server process, pid -> start time; none when it did not start."""
 
     @property
     def alive(self) -> bool:
@@ -74,6 +84,50 @@ class WarmCluster:
             )
 
 
+def driver_socket() -> Path:
+    return state_file().with_name(DRIVER_SOCKET_NAME)
+
+
+def preloaded_driver_socket() -> Optional[Path]:
+    """The socket of the warm cluster's preloaded driver while it and the cluster are alive."""
+    try:
+        record = _read(state_file())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    path = driver_socket()
+    if not (record.driver and _running(record.driver) and record.alive and path.exists()):
+        return None
+    return path
+
+
+def attach_driver(record: WarmCluster, pid: int) -> WarmCluster:
+    """Name the preloaded driver's server in the record, so `cluster down` stops it too."""
+    started = start_time(pid)
+    record = dataclasses.replace(record, driver={pid: started} if started else {})
+    _write(record, state_file())
+    return record
+
+
+def stop_driver(driver: dict[int, str]) -> None:
+    """SIGTERM the server alone, not its session: commands it started finish as they would."""
+    for pid, started in driver.items():
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while _running(driver) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, started in driver.items():
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    driver_socket().unlink(missing_ok=True)
+
+
+def _running(processes: dict[int, str]) -> bool:
+    return any(start_time(pid) == started for pid, started in processes.items())
+
+
 def find(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster]:
     """The warm cluster when one is alive; a record whose processes are gone is removed, and said."""
     path = state_file()
@@ -87,6 +141,7 @@ def find(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster
         return None
     if record.alive:
         return record
+    stop_driver(record.driver)
     stop_leaders(record.leaders)  # any node of it that is still up (one died, the rest did not)
     _forget(record, path)
     status(f"removed a stale warm-cluster record {path}: its nodes are gone (stopped, or the machine restarted)")
@@ -133,6 +188,7 @@ def down(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster
     if record is None:
         return None
     status(f"stopping the warm cluster: {record.describe()}")
+    stop_driver(record.driver)
     stop_leaders(record.leaders)
     _forget(record, state_file())
     return record
@@ -147,6 +203,7 @@ def _forget(record: WarmCluster, path: Path) -> None:
 def _read(path: Path) -> WarmCluster:
     values = json.loads(path.read_text())
     values["leaders"] = {int(pid): started for pid, started in values["leaders"].items()}
+    values["driver"] = {int(pid): started for pid, started in values.get("driver", {}).items()}
     return WarmCluster(**values)
 
 
