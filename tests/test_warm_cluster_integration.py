@@ -153,3 +153,13 @@ def test_a_command_in_the_preloaded_driver_is_the_command(state_dir, tmp_path):
     run = only_run(mlflow_client(run_dir))  # in the command's directory, not the driver's
     assert run.info.status == "KILLED"
     assert warm.find() == record and warm.preloaded_driver_socket() is not None  # the driver serves on
+
+
+def test_a_warm_cluster_without_its_preloaded_driver(state_dir, tmp_path):
+    up = run_rayapp("cluster", "up", "--nodes", "1", "--no-preloaded-driver", cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    record = warm.find()
+    assert record is not None and not record.driver and warm.preloaded_driver_socket() is None
+    status = run_rayapp("cluster", "status", cwd=tmp_path)
+    assert "preloaded driver: not running (submits start their own)" in status.stdout
+    assert not (state_dir / warm.DRIVER_SOCKET_NAME).exists()
