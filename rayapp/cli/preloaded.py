@@ -121,6 +121,41 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
     socket_path = warm.preloaded_driver_socket()
     if socket_path is None:
         return None
+    # Signals that come while the server answers are held, then passed on to the child, or (when the
+    # command runs here after all) raised again here, so that no Ctrl-C is lost or half-handled.
+    held: list[int] = []
+    child: Optional[int] = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if child is None:
+            held.append(signum)
+        else:
+            _signal(child, signum)
+
+    passed_on = [signum for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                 if signal.getsignal(signum) is not signal.SIG_IGN]  # ignored here, ignored there
+    previous = {signum: signal.signal(signum, on_signal) for signum in passed_on}
+    first = _request(socket_path, argv, sigint_ignored=signal.SIGINT not in passed_on)
+    if "pid" not in first:  # declined, or the server is gone (stopped, crashed): run here
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if "refused" in first:
+            status(f"running without the warm cluster's preloaded driver: {first['refused']}")
+        for signum in held:
+            signal.raise_signal(signum)
+        return None
+    child = first["pid"]
+    for signum in held:
+        _signal(child, signum)
+    last = receive_reply(first["replies"])
+    if "exit" not in last:
+        print(f"rayapp: the run's process {child} ended without an exit status (killed?)", file=sys.stderr)
+        return 1
+    return last["exit"]
+
+
+def _request(socket_path: Path, argv: list[str], sigint_ignored: bool) -> dict:
+    """Send the command to the server; its first reply (with the stream of later ones), or {}."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(str(socket_path))
@@ -128,33 +163,17 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
             "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path, "umask": _umask(),
             "interpreter": interpreter_identity(), "origins": _origins(),
             "streams": {name: _stream_settings(getattr(sys, name)) for name in ("stdin", "stdout", "stderr")},
-            "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+            "sigint_ignored": sigint_ignored,
         }, descriptors=[0, 1, 2])
         replies = connection.makefile("rb")
         first = receive_reply(replies)
-    except (OSError, ValueError):  # the server is gone (stopped, crashed): run here
-        connection.close()
-        return None
-    if not first:  # the server closed without a word (stopping): run here
-        connection.close()
-        return None
-    if "refused" in first:
-        connection.close()
-        status(f"running without the warm cluster's preloaded driver: {first['refused']}")
-        return None
-    child = first["pid"]
-    forward = lambda signum, _frame: _signal(child, signum)  # noqa: E731
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored here, it would be ignored there
-            signal.signal(signum, forward)
-    try:
-        last = receive_reply(replies)
     except (OSError, ValueError):
-        last = {}
-    if "exit" not in last:
-        print(f"rayapp: the run's process {child} ended without an exit status (killed?)", file=sys.stderr)
-        return 1
-    return last["exit"]
+        connection.close()
+        return {}
+    if "pid" not in first:
+        connection.close()
+        return first
+    return {**first, "replies": replies}  # the connection stays open: the child's exit comes by it
 
 
 def _stream_settings(stream: Optional[io.TextIOWrapper]) -> list:
@@ -207,5 +226,8 @@ def receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
 
 def receive_reply(replies: io.BufferedReader) -> dict:
     """The next reply; {} when the other side closed first."""
-    line = replies.readline()
-    return json.loads(line) if line.endswith(b"\n") else {}
+    try:
+        line = replies.readline()
+        return json.loads(line) if line.endswith(b"\n") else {}
+    except (OSError, ValueError):
+        return {}

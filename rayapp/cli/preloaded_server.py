@@ -53,10 +53,16 @@ def serve(socket_path: str) -> None:
             continue
         refusal = _refusal(request, fingerprint, environment)
         command = " ".join(request.get("argv", [])[1:])
+        child = -1
+        if not refusal:
+            try:
+                child = os.fork()
+            except OSError as exc:  # out of memory or processes: the command runs in its own
+                refusal = f"cannot fork ({exc})"
         if refusal:
             send_message(connection, {"refused": refusal})
             print(f"{time.strftime('%H:%M:%S')} declined `{command}`: {refusal}", flush=True)
-        elif (child := os.fork()) == 0:
+        elif child == 0:
             listener.close()
             _become(request, descriptors, connection, set_by_imports)  # never returns
         else:
@@ -74,7 +80,7 @@ def _stop(socket_path: str) -> None:
 
 def _fingerprint() -> dict[str, list]:
     """Identity of the code this process runs: rayapp's files and each preloaded library's
-    top-level file (a reinstall replaces it: a new inode), with the interpreter and its flags."""
+    top-level file (a reinstall replaces it: a new inode)."""
     import rayapp
 
     files = sorted(str(path) for path in Path(rayapp.__file__).parent.rglob("*.py"))
