@@ -4,9 +4,10 @@ that has already imported torch, Ray Train and MLflow.
 A warm submit of a short job spends about 3.5 s, a quarter of the command, importing torch (for
 TorchTrainer), Ray Train, MLflow and its SQLAlchemy store before the job reaches Ray. `rayapp
 cluster up` starts a server beside the nodes (rayapp.cli.preloaded_server): it imports them once
-and waits on a Unix socket in the state directory. The `rayapp` command, finding it, sends its arguments, working directory,
-environment and umask, and its standard streams themselves (the descriptors, SCM_RIGHTS: a
-terminal stays a terminal), and the server forks a child that becomes that command. The command
+and waits on a Unix socket in the state directory. The `rayapp` command, finding it, sends its
+arguments, working directory, environment and umask, and its standard streams themselves (the
+descriptors, SCM_RIGHTS: a terminal stays a terminal), and the server forks a child that becomes
+that command. The command
 waits and exits with the child's status; Ctrl-C, SIGTERM and SIGHUP sent to it reach the child,
 and a child whose command is gone (killed) is sent SIGTERM, so it ends its run as a stopped one.
 Each command gets a new process: nothing of one run is left for the next.
@@ -76,11 +77,7 @@ def wait_ready(socket_path: Path, pid: int, timeout_s: float = START_TIMEOUT_S) 
     while time.monotonic() < deadline:
         if socket_path.exists():
             return True
-        try:
-            finished, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # not our child (started by another process): poll /proc instead
-            finished = 0 if Path(f"/proc/{pid}").exists() else pid
-        if finished:
+        if os.waitpid(pid, os.WNOHANG)[0]:  # it exited (start() made it this process's child)
             return False
         time.sleep(0.05)
     return False
