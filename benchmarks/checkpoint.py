@@ -54,7 +54,9 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one_rank(rank: int, args: argparse.Namespace, port: int, strategy: str, fmt: str, results: dict) -> None:
+def one_rank(
+    rank: int, args: argparse.Namespace, port: int, strategy: str, fmt: str, results: dict
+) -> None:
     """One combination in fresh processes, so rank 0's peak memory is this combination's own."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
@@ -62,8 +64,14 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, strategy: str, fmt:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     try:
-        spec = build_spec({"name": "checkpoint_bench", "train": {"strategy": strategy},
-                           "checkpoint": {"format": fmt}, "cluster": {"nodes": WORLD_SIZE}})
+        spec = build_spec(
+            {
+                "name": "checkpoint_bench",
+                "train": {"strategy": strategy},
+                "checkpoint": {"format": fmt},
+                "cluster": {"nodes": WORLD_SIZE},
+            }
+        )
         mlp = build_mlp(args.width, args.layers)
         parameters = sum(p.numel() for p in mlp.parameters())
         model = apply_strategy(spec, mlp, device).model
@@ -84,8 +92,12 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, strategy: str, fmt:
             times.append(elapsed.item())
             dist.barrier()
             if rank == 0:
-                sizes.append(sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()))
-            if repeat == args.repeats - 1:  # it also loads back: the resume path works on this state
+                sizes.append(
+                    sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+                )
+            if (
+                repeat == args.repeats - 1
+            ):  # it also loads back: the resume path works on this state
                 started = time.perf_counter()
                 load(directory, model, optimizer, {})
                 load_s = time.perf_counter() - started
@@ -94,8 +106,11 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, strategy: str, fmt:
                 shutil.rmtree(directory)
         if rank == 0:
             results[(strategy, fmt)] = {
-                "save_s": statistics.median(times), "bytes": statistics.median(sizes), "load_s": load_s,
-                "rss_growth_mb": rss_mb() - rss_before, "parameters": parameters,
+                "save_s": statistics.median(times),
+                "bytes": statistics.median(sizes),
+                "load_s": load_s,
+                "rss_growth_mb": rss_mb() - rss_before,
+                "parameters": parameters,
             }
     finally:
         dist.destroy_process_group()
@@ -104,16 +119,27 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, strategy: str, fmt:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=4096, help="features per layer (default 4096)")
-    parser.add_argument("--layers", type=int, default=3, help="linear layers (default 3: 50M parameters)")
-    parser.add_argument("--repeats", type=int, default=3, help="saves per combination; the median is shown")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    parser.add_argument(
+        "--layers", type=int, default=3, help="linear layers (default 3: 50M parameters)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="saves per combination; the median is shown"
+    )
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where checkpoints are written"
+    )
     args = parser.parse_args()
     args.dir = tempfile.mkdtemp(prefix="rayapp-ckpt-bench-", dir=args.dir)
     try:
         with mp.Manager() as manager:
             results = manager.dict()
             for strategy, fmt in COMBINATIONS:
-                mp.spawn(one_rank, args=(args, free_port(), strategy, fmt, results), nprocs=WORLD_SIZE, join=True)
+                mp.spawn(
+                    one_rank,
+                    args=(args, free_port(), strategy, fmt, results),
+                    nprocs=WORLD_SIZE,
+                    join=True,
+                )
             results = dict(results)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -125,18 +151,40 @@ def report(results: dict, args: argparse.Namespace) -> None:
     from rich.table import Table
 
     parameters = next(iter(results.values()))["parameters"]
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    table = Table(title=f"One checkpoint of a {parameters / 1e6:.0f}M-parameter MLP with Adam, {WORLD_SIZE} ranks, "
-                        f"{device}, {datetime.date.today()}, {platform.node()}")
-    for column in ("strategy", "format", "save (median)", "vs ddp/full", "written", "load", "rank 0 peak memory growth (save, load)"):
+    device = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({os.cpu_count()} cores)"
+    )
+    table = Table(
+        title=f"One checkpoint of a {parameters / 1e6:.0f}M-parameter MLP with Adam, {WORLD_SIZE} ranks, "
+        f"{device}, {datetime.date.today()}, {platform.node()}"
+    )
+    for column in (
+        "strategy",
+        "format",
+        "save (median)",
+        "vs ddp/full",
+        "written",
+        "load",
+        "rank 0 peak memory growth (save, load)",
+    ):
         table.add_column(column, justify="left" if column in ("strategy", "format") else "right")
     baseline = results[("ddp", "full")]["save_s"]
     for (strategy, fmt), figures in results.items():
-        table.add_row(strategy, fmt, f"{figures['save_s']:.2f} s", f"{figures['save_s'] / baseline:.2f}x",
-                      f"{figures['bytes'] / 2**20:,.0f} MiB", f"{figures['load_s']:.2f} s",
-                      f"{figures['rss_growth_mb']:,.0f} MiB")
+        table.add_row(
+            strategy,
+            fmt,
+            f"{figures['save_s']:.2f} s",
+            f"{figures['save_s'] / baseline:.2f}x",
+            f"{figures['bytes'] / 2**20:,.0f} MiB",
+            f"{figures['load_s']:.2f} s",
+            f"{figures['rss_growth_mb']:,.0f} MiB",
+        )
     Console(width=160).print(table)
-    print(f"command: python benchmarks/checkpoint.py --width {args.width} --layers {args.layers} --repeats {args.repeats}")
+    print(
+        f"command: python benchmarks/checkpoint.py --width {args.width} --layers {args.layers} --repeats {args.repeats}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,22 +12,25 @@ than 95% of the time, so there is no interval to give.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class MedianInterval(NamedTuple):
     low: float
     high: float
-    coverage: float  # the exact probability that [low, high] covers the median, >= the level asked for
+    coverage: (
+        float  # the exact probability that [low, high] covers the median, >= the level asked for
+    )
     rank: int  # low is the rank-th smallest value, high the rank-th largest
 
 
 def _coverage(n: int, rank: int) -> float:
-    tail = sum(math.comb(n, i) for i in range(rank)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(rank)) / 2**n
     return 1.0 - 2.0 * tail
 
 
-def median_interval(values: Sequence[float], level: float = 0.95) -> Optional[MedianInterval]:
+def median_interval(values: Sequence[float], level: float = 0.95) -> MedianInterval | None:
     """The narrowest order-statistic interval covering the median of `values`' distribution at `level`,
     or None when there are too few values for any to reach it."""
     if not 0.0 < level < 1.0:
@@ -42,7 +45,7 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> Optional[Me
     return MedianInterval(ordered[rank - 1], ordered[n - rank], _coverage(n, rank), rank)
 
 
-def verdict_at_most(interval: Optional[MedianInterval], point: float, target: float) -> str:
+def verdict_at_most(interval: MedianInterval | None, point: float, target: float) -> str:
     """PASS when the whole interval is at or under `target`, MISS when all of it is over, "unclear" when
     it straddles the target. Without an interval, the point estimate decides and the verdict says so."""
     if interval is None:

@@ -20,8 +20,8 @@ import argparse
 import collections
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -58,7 +58,9 @@ def parse(lines: Iterable[str]) -> list[Switch]:
         match = _SWITCH.search(line)
         if match:
             time_s, prev_name, prev_tid, state, next_name, next_tid = match.groups()
-            switches.append(Switch(float(time_s), prev_name, int(prev_tid), state, next_name, int(next_tid)))
+            switches.append(
+                Switch(float(time_s), prev_name, int(prev_tid), state, next_name, int(next_tid))
+            )
     return switches
 
 
@@ -69,7 +71,9 @@ def thread_kind(name: str) -> str:
 
 def count(switches: list[Switch], name: str, threads: int) -> Preemptions:
     if len(switches) < 2:
-        raise ValueError("the trace holds fewer than two sched_switch events; was it recorded with `perf sched record`?")
+        raise ValueError(
+            "the trace holds fewer than two sched_switch events; was it recorded with `perf sched record`?"
+        )
     ran: collections.Counter = collections.Counter()
     running_since: dict[int, float] = {}
     names: dict[int, str] = {}
@@ -97,8 +101,12 @@ def count(switches: list[Switch], name: str, threads: int) -> Preemptions:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="the training threads' name as perf shows it, e.g. ray::RayTrainWo or python3")
-    parser.add_argument("--threads", type=int, default=2, help="how many training threads (default: %(default)s)")
+    parser.add_argument(
+        "name", help="the training threads' name as perf shows it, e.g. ray::RayTrainWo or python3"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="how many training threads (default: %(default)s)"
+    )
     parser.add_argument("--top", type=int, default=15, help="rows to show (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.threads < 1:
@@ -111,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shown = ", ".join(f"{tid} ({seconds:.2f} s on CPU)" for tid, _, seconds in result.threads)
     console = Console(highlight=False)
-    console.print(f"{result.per_thread_per_s:.0f} preemptions/s per training thread over {result.window_s:.1f} s; "
-                  f"training threads {shown}")
+    console.print(
+        f"{result.per_thread_per_s:.0f} preemptions/s per training thread over {result.window_s:.1f} s; "
+        f"training threads {shown}"
+    )
     table = Table()
     table.add_column("ran next", justify="left")
     table.add_column("per s per thread", justify="right")

@@ -4,7 +4,9 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for `benchmarks`
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # the repository root, for `benchmarks`
 from benchmarks.overhead.cli import main  # noqa: E402
 
 if __name__ == "__main__":

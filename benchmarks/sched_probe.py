@@ -48,7 +48,12 @@ def matching_pids(pattern: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
-                command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                command = (
+                    Path(f"/proc/{entry}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
             except OSError:
                 continue
             if pattern in command:
@@ -72,31 +77,48 @@ def sample(pids: list[int]) -> dict[int, ThreadSample]:
             except (OSError, ValueError):
                 continue
             threads[int(tid)] = ThreadSample(
-                pid, name, run_ns, wait_ns,
-                _switches(status, "nonvoluntary_ctxt_switches"), _switches(status, "voluntary_ctxt_switches"),
+                pid,
+                name,
+                run_ns,
+                wait_ns,
+                _switches(status, "nonvoluntary_ctxt_switches"),
+                _switches(status, "voluntary_ctxt_switches"),
             )
     return threads
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pattern", help="substring of the processes' command lines, e.g. RayTrainWorker")
-    parser.add_argument("seconds", type=float, nargs="?", default=10.0, help="window length (default: %(default)s)")
-    parser.add_argument("--min-run", type=float, default=0.01,
-                        help="hide threads that ran less than this share of the window (default: %(default)s)")
+    parser.add_argument(
+        "pattern", help="substring of the processes' command lines, e.g. RayTrainWorker"
+    )
+    parser.add_argument(
+        "seconds", type=float, nargs="?", default=10.0, help="window length (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--min-run",
+        type=float,
+        default=0.01,
+        help="hide threads that ran less than this share of the window (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         print(f"sched_probe: error: seconds must be > 0, got {args.seconds}", file=sys.stderr)
         return 2
     pids = matching_pids(args.pattern)
     if not pids:
-        print(f"sched_probe: error: no running process has {args.pattern!r} in its command line", file=sys.stderr)
+        print(
+            f"sched_probe: error: no running process has {args.pattern!r} in its command line",
+            file=sys.stderr,
+        )
         return 1
     before = sample(pids)
     time.sleep(args.seconds)
     after = sample(pids)
 
-    table = Table(title=f"{len(pids)} process(es) matching {args.pattern!r}, {args.seconds:g} s window")
+    table = Table(
+        title=f"{len(pids)} process(es) matching {args.pattern!r}, {args.seconds:g} s window"
+    )
     for column in ("pid", "thread", "ran", "run-queue wait", "preempted /s", "slept /s"):
         table.add_column(column, justify="left" if column == "thread" else "right")
     ran_total = wait_total = 0.0
@@ -109,9 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         if ran < args.min_run:
             continue
         ran_total, wait_total = ran_total + ran, wait_total + wait
-        table.add_row(str(now.pid), now.name, f"{ran:.1%}", f"{wait:.1%}",
-                      f"{(now.involuntary - then.involuntary) / args.seconds:.0f}",
-                      f"{(now.voluntary - then.voluntary) / args.seconds:.0f}")
+        table.add_row(
+            str(now.pid),
+            now.name,
+            f"{ran:.1%}",
+            f"{wait:.1%}",
+            f"{(now.involuntary - then.involuntary) / args.seconds:.0f}",
+            f"{(now.voluntary - then.voluntary) / args.seconds:.0f}",
+        )
     table.add_section()
     table.add_row("", "all shown", f"{ran_total:.1%}", f"{wait_total:.1%}", "", "")
     Console(highlight=False).print(table)

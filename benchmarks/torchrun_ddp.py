@@ -33,9 +33,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="rayapp job YAML")
     parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
-    parser.add_argument("--out", required=True, help="JSON file rank 0 writes the per-epoch times to")
     parser.add_argument(
-        "--comm-clock", choices=("none", "rayapp"), default="none",
+        "--out", required=True, help="JSON file rank 0 writes the per-epoch times to"
+    )
+    parser.add_argument(
+        "--comm-clock",
+        choices=("none", "rayapp"),
+        default="none",
         help="also read rayapp's per-step comm clock (rayapp.train.timing.DdpCommClock), to measure what it costs",
     )
     args = parser.parse_args()
@@ -43,12 +47,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # One worker per "node", as `rayapp submit --nodes N --workers-per-node 1` runs it.
-    spec = load_spec(args.job, {"cluster.nodes": world_size, "cluster.workers_per_node": 1, "train.epochs": args.epochs})
+    spec = load_spec(
+        args.job,
+        {"cluster.nodes": world_size, "cluster.workers_per_node": 1, "train.epochs": args.epochs},
+    )
 
     # As rayapp.train.loop.standard_loop builds them (through TrainContext.loader on a CPU worker):
     # the rank's shard (DistributedSampler, seed train.seed, drop_last) in the per-worker batch size.
     datasets = build_datasets(spec)
-    loader = build_loader(spec, datasets.train, rank=rank, world_size=world_size, shuffle=True, pin_memory=False)
+    loader = build_loader(
+        spec, datasets.train, rank=rank, world_size=world_size, shuffle=True, pin_memory=False
+    )
     sampler = shard_sampler(loader)
     model = DistributedDataParallel(build_model(spec))  # what rayapp's ddp strategy does on CPU
     comm_clock = None
@@ -60,7 +69,13 @@ def main() -> None:
     loss_fn = build_loss(spec)
 
     threads: list = [None] * world_size
-    dist.all_gather_object(threads, {"torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")})
+    dist.all_gather_object(
+        threads,
+        {
+            "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
+    )
 
     cpu = torch.device("cpu")
     epoch_times, losses, epoch_ends, epoch_ends_unix = [], [], [], []

@@ -32,9 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 def rayapp(*args: str, cwd: str, env: dict) -> tuple[float, str]:
     """Run the CLI; its wall time in seconds and its output. Fails loudly: a failed submit is no measurement."""
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "rayapp", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rayapp", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
     if result.returncode != 0:
-        sys.exit(f"rayapp {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-500:]}")
+        sys.exit(
+            f"rayapp {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-500:]}"
+        )
     return time.perf_counter() - started, result.stdout + result.stderr
 
 
@@ -43,7 +47,9 @@ def newest_run_metrics(workdir: str) -> dict[str, float]:
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     experiment = client.get_experiment_by_name("rayapp")
-    (run,) = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    (run,) = client.search_runs(
+        [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1
+    )
     return run.data.metrics
 
 
@@ -53,10 +59,19 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-preloaded-driver", action="store_true",
-                        help="warm cluster without its preloaded driver: every submit imports torch, Ray Train, MLflow")
+    parser.add_argument(
+        "--no-preloaded-driver",
+        action="store_true",
+        help="warm cluster without its preloaded driver: every submit imports torch, Ray Train, MLflow",
+    )
     args = parser.parse_args()
-    up = ("cluster", "up", "--nodes", str(args.nodes), *(["--no-preloaded-driver"] if args.no_preloaded_driver else []))
+    up = (
+        "cluster",
+        "up",
+        "--nodes",
+        str(args.nodes),
+        *(["--no-preloaded-driver"] if args.no_preloaded_driver else []),
+    )
 
     workdir = tempfile.mkdtemp(prefix="rayapp-warm-bench-")
     # A state directory of this benchmark's own: a warm cluster the user keeps is neither used nor stopped.
@@ -74,7 +89,9 @@ def main() -> None:
                 if kind == "cold":
                     up_s, _ = rayapp(*up, cwd=workdir, env=env)
                 metrics = newest_run_metrics(workdir)
-                figures[kind].append({"wall_s": wall, **{k: metrics.get(k, float("nan")) for k in STARTUP_METRICS}})
+                figures[kind].append(
+                    {"wall_s": wall, **{k: metrics.get(k, float("nan")) for k in STARTUP_METRICS}}
+                )
                 # A warm submit the preloaded driver declined (and said why) ran in its own process.
                 how = " (preloaded driver)" if "from its preloaded driver" in output else ""
                 print(f"round {round_ + 1} {kind}: {wall:.1f} s{how}", flush=True)
@@ -87,8 +104,10 @@ def report(figures: dict, args: argparse.Namespace, up_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{Path(args.job).name}, {args.nodes} nodes, {args.epochs} epochs: median of {args.rounds} "
-                        f"submits each, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores)")
+    table = Table(
+        title=f"{Path(args.job).name}, {args.nodes} nodes, {args.epochs} epochs: median of {args.rounds} "
+        f"submits each, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores)"
+    )
     for column in ("figure", "cold", "warm", "warm / cold"):
         table.add_column(column, justify="left" if column == "figure" else "right")
     for key in ("wall_s", *STARTUP_METRICS):

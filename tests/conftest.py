@@ -33,12 +33,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu)
 
 
-def run_rayapp(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_rayapp(
+    *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """The installed CLI in a child process, as a user would run it."""
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "rayapp", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+        [sys.executable, "-m", "rayapp", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 
@@ -120,8 +127,13 @@ def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.P
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full_env.update(env or {}, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "rayapp", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=full_env, preexec_fn=_sigint_as_in_a_terminal,
+        [sys.executable, "-m", "rayapp", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
 
 
@@ -164,8 +176,14 @@ def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 300) 
 class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 with a SQLite store, that a test can stop and restart."""
 
-    def __init__(self, directory: Path, port: int | None = None, *, app_name: str | None = None,
-                 env: dict | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        *,
+        app_name: str | None = None,
+        env: dict | None = None,
+    ) -> None:
         from rayapp.launch.cluster import free_port
 
         self.app_name, self.env = app_name, env or {}
@@ -174,17 +192,32 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 90) -> "MlflowServer":
+    def start(self, timeout: float = 90) -> MlflowServer:
         import time
         import urllib.request
 
         log = open(self.directory / "mlflow-server.log", "a")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", f"sqlite:///{self.directory / 'server.db'}",
-             "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1",
-             *(["--app-name", self.app_name] if self.app_name else [])],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--backend-store-uri",
+                f"sqlite:///{self.directory / 'server.db'}",
+                "--artifacts-destination",
+                str(self.directory / "artifacts"),
+                "--workers",
+                "1",
+                *(["--app-name", self.app_name] if self.app_name else []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             cwd=self.directory,  # where basic-auth keeps its user database
             env={**os.environ, **self.env},
         )
@@ -198,7 +231,9 @@ class MlflowServer:
                 time.sleep(0.5)
             if self._process.poll() is not None:
                 break
-        raise AssertionError(f"mlflow server did not start; see {self.directory / 'mlflow-server.log'}")
+        raise AssertionError(
+            f"mlflow server did not start; see {self.directory / 'mlflow-server.log'}"
+        )
 
     def stop(self) -> None:
         import signal

@@ -8,7 +8,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PACKAGE = REPO / "rayapp"
@@ -21,7 +20,13 @@ ALLOWED = {
     "rayapp.train": {"rayapp.spec", "rayapp.tracking"},
     "rayapp.reports": {"rayapp.spec", "rayapp.tracking"},
     "rayapp.launch": {"rayapp.spec", "rayapp.tracking"},
-    "rayapp.driver": {"rayapp.spec", "rayapp.tracking", "rayapp.train", "rayapp.launch", "rayapp.reports"},
+    "rayapp.driver": {
+        "rayapp.spec",
+        "rayapp.tracking",
+        "rayapp.train",
+        "rayapp.launch",
+        "rayapp.reports",
+    },
 }
 
 
@@ -51,8 +56,10 @@ def rayapp_imports(path: Path, modules: set[str]) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return {name: {m for m in rayapp_imports(path, set(modules)) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {
+        name: {m for m in rayapp_imports(path, set(modules)) if m in modules and m != name}
+        for name, path in modules.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -65,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:
@@ -122,6 +129,9 @@ def test_stage_imports_only_what_comes_after_it(package):
 
 @pytest.mark.parametrize("folder", ["rayapp", "benchmarks"])
 def test_no_file_over_400_lines(folder):
-    long = {str(p.relative_to(REPO)): n for p in (REPO / folder).rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / folder).rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert not long, long

@@ -23,14 +23,21 @@ def run(tmp_path):
     client = MlflowClient(uri)
     # epochs 0 and 1 reached MLflow before the job stopped
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, e) for e in (0, 1) for k, v in epoch_metrics(e).items()])
+    client.log_batch(
+        run_id, metrics=[Metric(k, v, now, e) for e in (0, 1) for k, v in epoch_metrics(e).items()]
+    )
     return uri, run_id
 
 
 def checkpoint(trial_dir, name: str, run_id: str, epoch: int) -> None:
     directory = trial_dir / name
     directory.mkdir(parents=True)
-    write_history(str(directory), run_id=run_id, epoch=epoch, history=[epoch_metrics(e) for e in range(epoch + 1)])
+    write_history(
+        str(directory),
+        run_id=run_id,
+        epoch=epoch,
+        history=[epoch_metrics(e) for e in range(epoch + 1)],
+    )
 
 
 def test_epochs_of_the_newest_checkpoint_that_mlflow_lacks_are_logged_once(run, tmp_path):

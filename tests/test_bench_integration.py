@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import JOBS, mlflow_client, run_rayapp
 
 pytestmark = pytest.mark.integration
 
 
 def test_sweep_one_and_two_nodes(workdir):
-    result = run_rayapp("bench", str(JOBS / "seed_linear.yaml"), "--nodes", "1,2", "--epochs", "2", cwd=workdir)
+    result = run_rayapp(
+        "bench", str(JOBS / "seed_linear.yaml"), "--nodes", "1,2", "--epochs", "2", cwd=workdir
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "efficiency" in result.stdout
 

@@ -22,8 +22,14 @@ def build() -> nn.Module:
 
 
 def spec(strategy: str, world: int):
-    return build_spec({"name": "reshard", "train": {"strategy": strategy}, "checkpoint": {"format": "dcp"},
-                       "cluster": {"nodes": world}})
+    return build_spec(
+        {
+            "name": "reshard",
+            "train": {"strategy": strategy},
+            "checkpoint": {"format": "dcp"},
+            "cluster": {"nodes": world},
+        }
+    )
 
 
 def trained(strategy: str, world: int, directory: str, rank: int):
@@ -79,12 +85,18 @@ def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_with_fsdp_or_ddp(tmp_pat
         mp.spawn(group, args=(2, free_port(), save_on_two, directory, out), nprocs=2, join=True)
         mp.spawn(group, args=(1, free_port(), load_on_one, directory, out), nprocs=1, join=True)
         out = dict(out)
-    assert any(name.endswith(".distcp") for name in os.listdir(directory))  # each rank wrote its shard
+    assert any(
+        name.endswith(".distcp") for name in os.listdir(directory)
+    )  # each rank wrote its shard
     fresh = build().state_dict()
     for strategy in ("fsdp", "ddp"):
         saved, loaded = out["saved"], out[strategy]
         assert saved.keys() == loaded.keys(), strategy
         for key in saved:
             torch.testing.assert_close(loaded[key], saved[key], msg=f"{strategy}: {key}")
-        assert not torch.equal(fresh["0.weight"], loaded["0.weight"])  # trained weights, not initial ones
-        assert out[f"{strategy}_steps"] and all(step == 1.0 for step in out[f"{strategy}_steps"])  # Adam's state
+        assert not torch.equal(
+            fresh["0.weight"], loaded["0.weight"]
+        )  # trained weights, not initial ones
+        assert out[f"{strategy}_steps"] and all(
+            step == 1.0 for step in out[f"{strategy}_steps"]
+        )  # Adam's state

@@ -24,8 +24,9 @@ import ipaddress
 import json
 import re
 import shlex
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import jsonschema
 import pytest
@@ -168,7 +169,9 @@ def node_setup_command_lists(config: Config) -> dict[str, list[str]]:
     lists = {f"{head} (head)": config["head_setup_commands"]}
     for name, node_type in config["available_node_types"].items():
         if name != head or node_type.get("max_workers", 0) > 0:
-            lists[f"{name} (worker)"] = node_type.get("worker_setup_commands", config["worker_setup_commands"])
+            lists[f"{name} (worker)"] = node_type.get(
+                "worker_setup_commands", config["worker_setup_commands"]
+            )
     return lists
 
 
@@ -192,13 +195,17 @@ def start_command_problems(config: Config) -> list[str]:
                 problems.append(f"{where} names no RAY_AUTH_TOKEN_PATH")
             for host in dashboard_hosts(argv):
                 if is_public_bind(host):
-                    problems.append(f"{where} publishes the dashboard on {host!r}; use 127.0.0.1 and `ray dashboard`")
+                    problems.append(
+                        f"{where} publishes the dashboard on {host!r}; use 127.0.0.1 and `ray dashboard`"
+                    )
     return problems
 
 
 def token_mount_problems(config: Config) -> list[str]:
     """The token file every `ray start` reads is copied to the nodes by file_mounts."""
-    mounts = {home_path(remote): local for remote, local in (config.get("file_mounts") or {}).items()}
+    mounts = {
+        home_path(remote): local for remote, local in (config.get("file_mounts") or {}).items()
+    }
     paths = {
         home_path(env["RAY_AUTH_TOKEN_PATH"])
         for key in ("head_start_ray_commands", "worker_start_ray_commands")
@@ -244,7 +251,11 @@ def nfs_mount_points(commands: Iterable[str]) -> list[str]:
         _, argv = leading_env(words)
         if argv[:1] == ["sudo"]:
             argv = argv[1:]
-        if argv[:1] == ["mount"] and any(t.startswith("nfs") for t in argv if not t.startswith("-")) and len(argv) >= 3:
+        if (
+            argv[:1] == ["mount"]
+            and any(t.startswith("nfs") for t in argv if not t.startswith("-"))
+            and len(argv) >= 3
+        ):
             points.append(argv[-1].rstrip("/"))
     return points
 
@@ -267,7 +278,9 @@ def storage_problems(config: Config) -> list[str]:
                     )
             else:
                 mounts = nfs_mount_points(commands)
-                if not value.startswith("/") or not any(value.startswith(point + "/") for point in mounts):
+                if not value.startswith("/") or not any(
+                    value.startswith(point + "/") for point in mounts
+                ):
                     problems.append(
                         f"{node_type}: RAYAPP_STORAGE_PATH={value} is not below a shared (NFS) mount "
                         f"made in the setup commands ({mounts or 'none'})"
@@ -325,11 +338,15 @@ def gcp_ingress_problems(config: Config) -> list[str]:
             continue
         networks |= {gcp_network_name(i["network"]) for i in interfaces}
     if "default" in networks:
-        problems.append("nodes use the project's default network, whose firewall is not this file's")
+        problems.append(
+            "nodes use the project's default network, whose firewall is not this file's"
+        )
     for rule in rules:
         where = f"firewall rule {rule.get('name')!r}"
         if gcp_network_name(rule.get("network", "default")) not in networks:
-            problems.append(f"{where} is for network {rule.get('network')!r}, not the nodes' {sorted(networks)}")
+            problems.append(
+                f"{where} is for network {rule.get('network')!r}, not the nodes' {sorted(networks)}"
+            )
         if rule.get("direction", "INGRESS").upper() != "INGRESS" or rule.get("disabled"):
             continue
         # A rule naming no source at all applies to every source (0.0.0.0/0).
@@ -340,7 +357,9 @@ def gcp_ingress_problems(config: Config) -> list[str]:
             continue
         for allowed in rule.get("allowed", []):
             protocol = str(allowed.get("IPProtocol", "")).lower()
-            if protocol not in ("tcp", "6") or [str(p) for p in allowed.get("ports", [])] != [str(SSH_PORT)]:
+            if protocol not in ("tcp", "6") or [str(p) for p in allowed.get("ports", [])] != [
+                str(SSH_PORT)
+            ]:
                 problems.append(f"{where} admits {allowed} from the internet; only tcp/22 may be")
     return problems
 
@@ -350,14 +369,18 @@ def ray_azure_nsg_rules() -> tuple[dict, ...]:
     """Security rules of the network security group Ray's Azure deployment template creates."""
     import ray.autoscaler
 
-    template_path = Path(ray.autoscaler.__file__).parent / "_private" / "_azure" / "azure-config-template.json"
+    template_path = (
+        Path(ray.autoscaler.__file__).parent / "_private" / "_azure" / "azure-config-template.json"
+    )
     template = json.loads(template_path.read_text())
-    groups = [r for r in template["resources"] if r["type"] == "Microsoft.Network/networkSecurityGroups"]
+    groups = [
+        r for r in template["resources"] if r["type"] == "Microsoft.Network/networkSecurityGroups"
+    ]
     assert len(groups) == 1, f"expected one network security group in {template_path}"
     return tuple(groups[0]["properties"]["securityRules"])
 
 
-def azure_ingress_problems(config: Config, nsg_rules: Optional[Iterable[dict]] = None) -> list[str]:
+def azure_ingress_problems(config: Config, nsg_rules: Iterable[dict] | None = None) -> list[str]:
     """Ray deploys every Azure cluster with its template's network security group, which no field
     of the config changes; those are the rules checked."""
     problems = []
@@ -365,13 +388,19 @@ def azure_ingress_problems(config: Config, nsg_rules: Optional[Iterable[dict]] =
         props = rule["properties"]
         if props.get("direction") != "Inbound" or props.get("access") != "Allow":
             continue
-        sources = [props.get("sourceAddressPrefix", "")] + list(props.get("sourceAddressPrefixes", []))
+        sources = [props.get("sourceAddressPrefix", "")] + list(
+            props.get("sourceAddressPrefixes", [])
+        )
         if not any(is_world(source) for source in sources if source):
             continue
-        ports = [props.get("destinationPortRange", "")] + list(props.get("destinationPortRanges", []))
+        ports = [props.get("destinationPortRange", "")] + list(
+            props.get("destinationPortRanges", [])
+        )
         ports = [str(p) for p in ports if p]
         if props.get("protocol", "").lower() not in ("tcp",) or ports != [str(SSH_PORT)]:
-            problems.append(f"network security group rule {rule.get('name')!r} admits {ports} from the internet")
+            problems.append(
+                f"network security group rule {rule.get('name')!r} admits {ports} from the internet"
+            )
     return problems
 
 
@@ -385,11 +414,13 @@ def local_ingress_problems(config: Config) -> list[str]:
         except ValueError:
             continue  # a host name; its address is not known offline
         if address.is_global:
-            problems.append(f"host {host} has a public address: Ray's ports would face the internet")
+            problems.append(
+                f"host {host} has a public address: Ray's ports would face the internet"
+            )
     return problems
 
 
-def ingress_problems(config: Config, azure_nsg_rules: Optional[Iterable[dict]] = None) -> list[str]:
+def ingress_problems(config: Config, azure_nsg_rules: Iterable[dict] | None = None) -> list[str]:
     provider = config["provider"]["type"]
     if provider == "aws":
         return aws_ingress_problems(config)
@@ -421,7 +452,7 @@ def env_of(container: dict) -> dict[str, dict]:
     return {entry["name"]: entry for entry in container.get("env") or []}
 
 
-def token_env_problems(container: dict, where: str, secret_name: Optional[str] = None) -> list[str]:
+def token_env_problems(container: dict, where: str, secret_name: str | None = None) -> list[str]:
     """The container runs with RAY_AUTH_MODE=token and the token from a Secret (the one given)."""
     env = env_of(container)
     problems = []
@@ -431,17 +462,23 @@ def token_env_problems(container: dict, where: str, secret_name: Optional[str] =
     if token is None:
         problems.append(f"{where}: no RAY_AUTH_TOKEN")
     elif "value" in token:
-        problems.append(f"{where}: RAY_AUTH_TOKEN is written in the manifest; take it from a Secret")
+        problems.append(
+            f"{where}: RAY_AUTH_TOKEN is written in the manifest; take it from a Secret"
+        )
     else:
         ref = (token.get("valueFrom") or {}).get("secretKeyRef") or {}
         if not ref.get("name") or not ref.get("key"):
             problems.append(f"{where}: RAY_AUTH_TOKEN does not come from a Secret (secretKeyRef)")
         elif secret_name and ref["name"] != secret_name:
-            problems.append(f"{where}: RAY_AUTH_TOKEN comes from Secret {ref['name']!r}, authOptions names {secret_name!r}")
+            problems.append(
+                f"{where}: RAY_AUTH_TOKEN comes from Secret {ref['name']!r}, authOptions names {secret_name!r}"
+            )
     return problems
 
 
-def pod_storage_problems(pod_spec: dict, container: dict, where: str, rwx_claims: set[str]) -> list[str]:
+def pod_storage_problems(
+    pod_spec: dict, container: dict, where: str, rwx_claims: set[str]
+) -> list[str]:
     path = env_of(container).get("RAYAPP_STORAGE_PATH", {}).get("value")
     if not path:
         return [f"{where}: no RAYAPP_STORAGE_PATH"]
@@ -454,9 +491,13 @@ def pod_storage_problems(pod_spec: dict, container: dict, where: str, rwx_claims
     }
     for mount in container.get("volumeMounts") or []:
         mount_path = mount["mountPath"].rstrip("/")
-        if (path == mount_path or path.startswith(mount_path + "/")) and claims.get(mount["name"]) in rwx_claims:
+        if (path == mount_path or path.startswith(mount_path + "/")) and claims.get(
+            mount["name"]
+        ) in rwx_claims:
             return []
-    return [f"{where}: RAYAPP_STORAGE_PATH={path} is not on a ReadWriteMany volume claim of this manifest"]
+    return [
+        f"{where}: RAYAPP_STORAGE_PATH={path} is not on a ReadWriteMany volume claim of this manifest"
+    ]
 
 
 def ray_cluster_specs(docs: list[Config]) -> list[tuple[str, dict]]:
@@ -487,7 +528,8 @@ def kuberay_problems(docs: list[Config]) -> list[str]:
     rwx_claims = {
         doc["metadata"]["name"]
         for doc in docs
-        if doc.get("kind") == "PersistentVolumeClaim" and "ReadWriteMany" in doc["spec"].get("accessModes", [])
+        if doc.get("kind") == "PersistentVolumeClaim"
+        and "ReadWriteMany" in doc["spec"].get("accessModes", [])
     }
     cluster_secrets = {
         doc["metadata"]["name"]: (doc["spec"].get("authOptions") or {}).get("secretName")
@@ -506,12 +548,16 @@ def kuberay_problems(docs: list[Config]) -> list[str]:
         head = spec["headGroupSpec"]
         if head.get("serviceType", "ClusterIP") != "ClusterIP":
             problems.append(f"{name}: head serviceType {head['serviceType']}; use ClusterIP")
-        head_service_type = ((head.get("headService") or {}).get("spec") or {}).get("type", "ClusterIP")
+        head_service_type = ((head.get("headService") or {}).get("spec") or {}).get(
+            "type", "ClusterIP"
+        )
         if head_service_type != "ClusterIP":
             problems.append(f"{name}: headService type {head_service_type}; use ClusterIP")
         if head.get("enableIngress"):
             problems.append(f"{name}: enableIngress publishes the head")
-        groups = [("head", head)] + [(f"worker group {g.get('groupName')}", g) for g in spec.get("workerGroupSpecs", [])]
+        groups = [("head", head)] + [
+            (f"worker group {g.get('groupName')}", g) for g in spec.get("workerGroupSpecs", [])
+        ]
         for group_name, group in groups:
             pod_spec = group["template"]["spec"]
             ray_container = pod_spec["containers"][0]  # KubeRay runs Ray in the first container
@@ -525,13 +571,19 @@ def kuberay_problems(docs: list[Config]) -> list[str]:
         name, spec = f"RayJob/{doc['metadata']['name']}", doc["spec"]
         selected = (spec.get("clusterSelector") or {}).get("ray.io/cluster")
         if not spec.get("rayClusterSpec") and selected not in cluster_secrets:
-            problems.append(f"{name}: selects RayCluster {selected!r}, which this manifest does not define")
+            problems.append(
+                f"{name}: selects RayCluster {selected!r}, which this manifest does not define"
+            )
         cluster_spec = spec.get("rayClusterSpec") or {}
-        secret_name = (cluster_spec.get("authOptions") or {}).get("secretName") or cluster_secrets.get(selected)
+        secret_name = (cluster_spec.get("authOptions") or {}).get(
+            "secretName"
+        ) or cluster_secrets.get(selected)
         if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
             template = spec.get("submitterPodTemplate")
             if template:
-                problems += token_env_problems(template["spec"]["containers"][0], f"{name} submitter", secret_name)
+                problems += token_env_problems(
+                    template["spec"]["containers"][0], f"{name} submitter", secret_name
+                )
         runtime_env = yaml.safe_load(spec.get("runtimeEnvYAML") or "{}") or {}
         names = {requirement_name(r) for r in runtime_env.get("pip") or []}
         for needed in ("torch", "rayapp"):
@@ -562,7 +614,12 @@ def test_launcher_config_passes_ray_validation(name):
     full = prepare_config(copy.deepcopy(config))
     validate_config(full)
     # No Ray default replaced a command list of the file.
-    for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands", "file_mounts"):
+    for key in (
+        "setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+        "file_mounts",
+    ):
         assert full[key] == config[key], key
 
 
@@ -633,8 +690,18 @@ def _set_env(container: dict, name: str, value: str) -> None:
     container["env"].append({"name": name, "value": value})
 
 
-WORLD_DASHBOARD = {"FromPort": 8265, "ToPort": 8265, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}
-WORLD_ALL_V6 = {"FromPort": -1, "ToPort": -1, "IpProtocol": "-1", "Ipv6Ranges": [{"CidrIpv6": "::/0"}]}
+WORLD_DASHBOARD = {
+    "FromPort": 8265,
+    "ToPort": 8265,
+    "IpProtocol": "tcp",
+    "IpRanges": [{"CidrIp": "0.0.0.0/0"}],
+}
+WORLD_ALL_V6 = {
+    "FromPort": -1,
+    "ToPort": -1,
+    "IpProtocol": "-1",
+    "Ipv6Ranges": [{"CidrIpv6": "::/0"}],
+}
 AZURE_WORLD_GCS = {
     "name": "RayGcs",
     "properties": {
@@ -659,12 +726,16 @@ BAD_LAUNCHER_CASES = {
     "head start with auth disabled": (
         "gcp-gpu.yaml",
         start_command_problems,
-        lambda c: _edit_start(c, "head_start_ray_commands", "RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled"),
+        lambda c: _edit_start(
+            c, "head_start_ray_commands", "RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled"
+        ),
     ),
     "dashboard on all interfaces": (
         "azure-gpu.yaml",
         start_command_problems,
-        lambda c: _edit_start(c, "head_start_ray_commands", "--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0"),
+        lambda c: _edit_start(
+            c, "head_start_ray_commands", "--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0"
+        ),
     ),
     "dashboard on all interfaces, Ray's default start command": (
         "onprem.yaml",
@@ -679,7 +750,12 @@ BAD_LAUNCHER_CASES = {
     "token inline in the start command": (
         "aws-gpu.yaml",
         start_command_problems,
-        lambda c: _edit_start(c, "head_start_ray_commands", "RAY_AUTH_MODE=token", "RAY_AUTH_MODE=token RAY_AUTH_TOKEN=abc123"),
+        lambda c: _edit_start(
+            c,
+            "head_start_ray_commands",
+            "RAY_AUTH_MODE=token",
+            "RAY_AUTH_MODE=token RAY_AUTH_TOKEN=abc123",
+        ),
     ),
     "token file not mounted": (
         "onprem.yaml",
@@ -689,7 +765,9 @@ BAD_LAUNCHER_CASES = {
     "token read from a path that is not mounted": (
         "gcp-gpu.yaml",
         token_mount_problems,
-        lambda c: _edit_start(c, "worker_start_ray_commands", "$HOME/.ray/auth_token", "/etc/ray/token"),
+        lambda c: _edit_start(
+            c, "worker_start_ray_commands", "$HOME/.ray/auth_token", "/etc/ray/token"
+        ),
     ),
     "rayapp not installed": (
         "gcp-gpu.yaml",
@@ -709,7 +787,9 @@ BAD_LAUNCHER_CASES = {
     "worker type with its own setup commands that skip the install": (
         "aws-gpu.yaml",
         install_problems,
-        lambda c: c["available_node_types"]["gpu_worker"].update(worker_setup_commands=["echo nothing"]),
+        lambda c: c["available_node_types"]["gpu_worker"].update(
+            worker_setup_commands=["echo nothing"]
+        ),
     ),
     "no storage path": (
         "azure-gpu.yaml",
@@ -719,12 +799,16 @@ BAD_LAUNCHER_CASES = {
     "node-local storage on a cloud": (
         "aws-gpu.yaml",
         storage_problems,
-        lambda c: _replace_in_setup(c, "s3://CHANGE-ME-bucket/rayapp", "/home/ubuntu/rayapp_results"),
+        lambda c: _replace_in_setup(
+            c, "s3://CHANGE-ME-bucket/rayapp", "/home/ubuntu/rayapp_results"
+        ),
     ),
     "on-premises storage outside the NFS mount": (
         "onprem.yaml",
         storage_problems,
-        lambda c: _replace_in_setup(c, "RAYAPP_STORAGE_PATH=/mnt/rayapp-shared/", "RAYAPP_STORAGE_PATH=/tmp/"),
+        lambda c: _replace_in_setup(
+            c, "RAYAPP_STORAGE_PATH=/mnt/rayapp-shared/", "RAYAPP_STORAGE_PATH=/tmp/"
+        ),
     ),
     "AWS dashboard open to the world": (
         "aws-gpu.yaml",
@@ -739,7 +823,9 @@ BAD_LAUNCHER_CASES = {
     "AWS security group that cannot be checked": (
         "aws-gpu.yaml",
         ingress_problems,
-        lambda c: c["available_node_types"]["head"]["node_config"].update(SecurityGroupIds=["sg-0123"]),
+        lambda c: c["available_node_types"]["head"]["node_config"].update(
+            SecurityGroupIds=["sg-0123"]
+        ),
     ),
     "GCP GCS port open to the world": (
         "gcp-gpu.yaml",
@@ -766,9 +852,9 @@ BAD_LAUNCHER_CASES = {
     "GCP nodes on the default network": (
         "gcp-gpu.yaml",
         ingress_problems,
-        lambda c: c["available_node_types"]["gpu_worker"]["node_config"]["networkInterfaces"][0].update(
-            network="global/networks/default"
-        ),
+        lambda c: c["available_node_types"]["gpu_worker"]["node_config"]["networkInterfaces"][
+            0
+        ].update(network="global/networks/default"),
     ),
     "on-premises host with a public address": (
         "onprem.yaml",
@@ -810,40 +896,54 @@ def test_ray_validation_rejects_a_broken_config():
 
 BAD_MANIFEST_CASES: dict[str, Callable[[list[Config]], None]] = {
     "LoadBalancer Service": lambda docs: docs.append(
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ray-lb"}, "spec": {"type": "LoadBalancer"}}
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "ray-lb"},
+            "spec": {"type": "LoadBalancer"},
+        }
     ),
-    "NodePort head Service": lambda docs: next(d for d in docs if d["kind"] == "RayCluster")["spec"][
-        "headGroupSpec"
-    ].update(serviceType="NodePort"),
-    "head service override as LoadBalancer": lambda docs: next(d for d in docs if d["kind"] == "RayCluster")["spec"][
-        "headGroupSpec"
-    ].update(headService={"spec": {"type": "LoadBalancer"}}),
-    "cluster without authOptions": lambda docs: next(d for d in docs if d["kind"] == "RayCluster")["spec"].pop(
-        "authOptions"
+    "NodePort head Service": lambda docs: next(d for d in docs if d["kind"] == "RayCluster")[
+        "spec"
+    ]["headGroupSpec"].update(serviceType="NodePort"),
+    "head service override as LoadBalancer": lambda docs: next(
+        d for d in docs if d["kind"] == "RayCluster"
+    )["spec"]["headGroupSpec"].update(headService={"spec": {"type": "LoadBalancer"}}),
+    "cluster without authOptions": lambda docs: next(d for d in docs if d["kind"] == "RayCluster")[
+        "spec"
+    ].pop("authOptions"),
+    "token from another Secret than authOptions names": lambda docs: _manifest_container(
+        docs, "RayCluster", "worker"
+    )["env"][1]["valueFrom"]["secretKeyRef"].update(name="other-secret"),
+    "worker without token auth": lambda docs: _drop_env(
+        _manifest_container(docs, "RayCluster", "worker"), "RAY_AUTH_MODE"
     ),
-    "token from another Secret than authOptions names": lambda docs: _manifest_container(docs, "RayCluster", "worker")[
-        "env"
-    ][1]["valueFrom"]["secretKeyRef"].update(name="other-secret"),
-    "worker without token auth": lambda docs: _drop_env(_manifest_container(docs, "RayCluster", "worker"), "RAY_AUTH_MODE"),
     "token written into the manifest": lambda docs: _set_env(
         _manifest_container(docs, "RayCluster", "head"), "RAY_AUTH_TOKEN", "abc123"
     ),
-    "submitter without the token": lambda docs: _drop_env(_manifest_container(docs, "RayJob", "submitter"), "RAY_AUTH_TOKEN"),
+    "submitter without the token": lambda docs: _drop_env(
+        _manifest_container(docs, "RayJob", "submitter"), "RAY_AUTH_TOKEN"
+    ),
     "Secret with the token committed": lambda docs: docs.append(
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rayapp-ray-auth"}, "stringData": {"auth_token": "x"}}
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "rayapp-ray-auth"},
+            "stringData": {"auth_token": "x"},
+        }
     ),
     "storage path off the shared volume": lambda docs: _set_env(
         _manifest_container(docs, "RayCluster", "worker"), "RAYAPP_STORAGE_PATH", "/tmp/checkpoints"
     ),
-    "shared volume only ReadWriteOnce": lambda docs: next(d for d in docs if d["kind"] == "PersistentVolumeClaim")[
+    "shared volume only ReadWriteOnce": lambda docs: next(
+        d for d in docs if d["kind"] == "PersistentVolumeClaim"
+    )["spec"].update(accessModes=["ReadWriteOnce"]),
+    "job without rayapp": lambda docs: next(d for d in docs if d["kind"] == "RayJob")[
         "spec"
-    ].update(accessModes=["ReadWriteOnce"]),
-    "job without rayapp": lambda docs: next(d for d in docs if d["kind"] == "RayJob")["spec"].update(
-        runtimeEnvYAML="pip: [torch]"
-    ),
-    "job for a cluster that is not defined": lambda docs: next(d for d in docs if d["kind"] == "RayJob")["spec"].update(
-        clusterSelector={"ray.io/cluster": "elsewhere"}
-    ),
+    ].update(runtimeEnvYAML="pip: [torch]"),
+    "job for a cluster that is not defined": lambda docs: next(
+        d for d in docs if d["kind"] == "RayJob"
+    )["spec"].update(clusterSelector={"ray.io/cluster": "elsewhere"}),
     "no Ray resources at all": lambda docs: _keep_only(docs, "PersistentVolumeClaim"),
 }
 
@@ -865,7 +965,10 @@ def test_shell_parsing_sees_env_prefixes_and_pip_requirements():
         'test -x ~/v/bin/python || uv pip install "torch>=2.4" -q "rayapp @ git+https://x/rayapp@main"',
     ]
     assert ray_starts(commands) == [
-        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "$HOME/.ray/auth_token"}, ["ray", "start", "--head"])
+        (
+            {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "$HOME/.ray/auth_token"},
+            ["ray", "start", "--head"],
+        )
     ]
     assert [requirement_name(r) for r in pip_requirements(commands)] == ["torch", "rayapp"]
     assert home_path("${HOME}/.ray/auth_token") == "~/.ray/auth_token"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import alive, cmdline, connect, descendants
 
 from rayapp.launch.cluster import EmbeddedCluster
-
-from conftest import alive, cmdline, connect, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +34,9 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
         # driver and runs in a process group of its own, so it exits only once it notices that
         # its raylet is gone, unless stop() sees to it.
         actors = [
-            Spawner.options(scheduling_strategy="SPREAD", lifetime="detached", name=f"spawner-{i}").remote()
+            Spawner.options(
+                scheduling_strategy="SPREAD", lifetime="detached", name=f"spawner-{i}"
+            ).remote()
             for i in range(2)
         ]
         pids = ray.get([actor.start_child.remote() for actor in actors])
@@ -54,7 +55,6 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
     # Each `ray start --block` leader stopped its own daemons on SIGTERM (it exits 1), rather than
     # sitting out Ray's 30 s node drain, which detached actors keep from ending, until stop() SIGKILLs it.
     assert [leader.returncode for leader in leaders] == [1, 1], "a node was SIGKILLed, not stopped"
-
 
 
 def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
@@ -82,7 +82,9 @@ def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
                 while True:  # the dashboard's HTTP server comes up some seconds after the nodes
                     try:
                         state = get_actor(ray.get_runtime_context().get_actor_id(), timeout=5)
-                        return os.environ.get("RAY_ADDRESS", ""), state.state if state else "not found"
+                        return os.environ.get(
+                            "RAY_ADDRESS", ""
+                        ), state.state if state else "not found"
                     except Exception as exc:
                         if time.monotonic() > deadline:
                             return os.environ.get("RAY_ADDRESS", ""), f"{type(exc).__name__}: {exc}"

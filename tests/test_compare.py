@@ -15,15 +15,34 @@ from rayapp.tracking.logger import RunLogger
 from rayapp.tracking.run import close_run, open_run
 
 
-def log_run(uri: str, *, job: str, world: int | str, scaling: str, epochs: list[dict], experiment: str = "cmp") -> str:
+def log_run(
+    uri: str,
+    *,
+    job: str,
+    world: int | str,
+    scaling: str,
+    epochs: list[dict],
+    experiment: str = "cmp",
+) -> str:
     """world: a fixed size, or an elastic run's "MIN:MAX" as rayapp logs it in `nodes` and `world_size`."""
-    params = {"job": job, "nodes": str(world), "world_size": str(world), "workers_per_node": "1",
-              "backend": "gloo", "strategy": "ddp", "scaling": scaling}
-    run_id = open_run(tracking_uri=uri, experiment=experiment, run_name=f"{job}-{world}", params=params, tags={})
+    params = {
+        "job": job,
+        "nodes": str(world),
+        "world_size": str(world),
+        "workers_per_node": "1",
+        "backend": "gloo",
+        "strategy": "ddp",
+        "scaling": scaling,
+    }
+    run_id = open_run(
+        tracking_uri=uri, experiment=experiment, run_name=f"{job}-{world}", params=params, tags={}
+    )
     logger = RunLogger(uri, run_id, fallback_path=f"/nonexistent/{run_id}.jsonl")
     for epoch, metrics in enumerate(epochs):
         logger.log_epoch(epoch, metrics)
-    logger.log_metrics({"param_bytes_per_rank": 4 * 2**20 / int(str(world).split(":")[-1])}, step=len(epochs) - 1)
+    logger.log_metrics(
+        {"param_bytes_per_rank": 4 * 2**20 / int(str(world).split(":")[-1])}, step=len(epochs) - 1
+    )
     assert logger.close() is None  # all delivered: no fallback file
     close_run(uri, run_id, "FINISHED")
     return run_id
@@ -31,8 +50,18 @@ def log_run(uri: str, *, job: str, world: int | str, scaling: str, epochs: list[
 
 def epochs(time_s: float, samples_per_s: float, comm_s: float, n: int = 4) -> list[dict]:
     # The first epoch is deliberately slow: compare must exclude it as warm-up.
-    first = {"epoch_time_s": 10 * time_s, "samples_per_s": samples_per_s / 10, "comm_time_s": 0.0, "peak_mem_mb": 100.0}
-    steady = {"epoch_time_s": time_s, "samples_per_s": samples_per_s, "comm_time_s": comm_s, "peak_mem_mb": 120.0}
+    first = {
+        "epoch_time_s": 10 * time_s,
+        "samples_per_s": samples_per_s / 10,
+        "comm_time_s": 0.0,
+        "peak_mem_mb": 100.0,
+    }
+    steady = {
+        "epoch_time_s": time_s,
+        "samples_per_s": samples_per_s,
+        "comm_time_s": comm_s,
+        "peak_mem_mb": 120.0,
+    }
     return [first] + [steady] * (n - 1)
 
 
@@ -40,9 +69,15 @@ def epochs(time_s: float, samples_per_s: float, comm_s: float, n: int = 4) -> li
 def store(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ids = {
-        "strong1": log_run(uri, job="mlp", world=1, scaling="strong", epochs=epochs(2.0, 1000.0, 0.0)),
-        "strong2": log_run(uri, job="mlp", world=2, scaling="strong", epochs=epochs(1.25, 1600.0, 0.25)),
-        "strong4": log_run(uri, job="mlp", world=4, scaling="strong", epochs=epochs(0.8, 2500.0, 0.4)),
+        "strong1": log_run(
+            uri, job="mlp", world=1, scaling="strong", epochs=epochs(2.0, 1000.0, 0.0)
+        ),
+        "strong2": log_run(
+            uri, job="mlp", world=2, scaling="strong", epochs=epochs(1.25, 1600.0, 0.25)
+        ),
+        "strong4": log_run(
+            uri, job="mlp", world=4, scaling="strong", epochs=epochs(0.8, 2500.0, 0.4)
+        ),
         "weak1": log_run(uri, job="seed", world=1, scaling="weak", epochs=epochs(1.0, 500.0, 0.0)),
         "weak2": log_run(uri, job="seed", world=2, scaling="weak", epochs=epochs(1.25, 800.0, 0.5)),
     }
@@ -72,24 +107,32 @@ def test_speedup_efficiency_and_ideals(store):
     assert weak[2].speedup == pytest.approx(1.6)
     assert weak[2].efficiency == pytest.approx(0.8)
     assert weak[2].ideal_epoch_s == pytest.approx(1.0)  # weak scaling: flat
-    assert weak[2].article_epoch_s == pytest.approx(0.5)  # the article's halving, which weak scaling cannot meet
+    assert weak[2].article_epoch_s == pytest.approx(
+        0.5
+    )  # the article's halving, which weak scaling cannot meet
     assert weak[2].comm_share == pytest.approx(0.4)
 
 
 def test_compare_named_runs_and_formats(store):
     uri, ids = store
     runner = CliRunner()
-    result = runner.invoke(main, ["compare", ids["strong1"], ids["strong4"], "--tracking-uri", uri, "--format", "json"])
+    result = runner.invoke(
+        main, ["compare", ids["strong1"], ids["strong4"], "--tracking-uri", uri, "--format", "json"]
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert [r["world_size"] for r in rows] == [1, 4]
     assert rows[1]["efficiency"] == pytest.approx(0.625)
 
-    csv_out = runner.invoke(main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", "csv"]).output
+    csv_out = runner.invoke(
+        main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", "csv"]
+    ).output
     assert csv_out.splitlines()[0].startswith("job,nodes,world_size")
     assert len(csv_out.strip().splitlines()) == 6
 
-    markdown = runner.invoke(main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", "markdown"]).output
+    markdown = runner.invoke(
+        main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", "markdown"]
+    ).output
     assert "| 62% |" in markdown or "| 63% |" in markdown
 
     table = runner.invoke(main, ["compare", "--experiment", "cmp", "--tracking-uri", uri]).output
@@ -131,7 +174,11 @@ def test_an_elastic_run_is_compared_with_no_fixed_size(store):
     assert weak[2].speedup == pytest.approx(1.6)
 
     (row,) = [row for row in csv_rows(runner_output(uri, "csv")) if row["nodes"] == "1:2"]
-    assert (row["job"], row["world_size"], row["efficiency"]) == ("seed", "1:2", "nan")  # unmeasured, as pandas reads it
+    assert (row["job"], row["world_size"], row["efficiency"]) == (
+        "seed",
+        "1:2",
+        "nan",
+    )  # unmeasured, as pandas reads it
     markdown = runner_output(uri, "markdown")
     (line,) = [line for line in markdown.splitlines() if line.startswith("| seed | 1:2 |")]
     assert "| - |" in line  # no efficiency
@@ -140,7 +187,9 @@ def test_an_elastic_run_is_compared_with_no_fixed_size(store):
 
 
 def runner_output(uri: str, fmt: str) -> str:
-    result = CliRunner().invoke(main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", fmt])
+    result = CliRunner().invoke(
+        main, ["compare", "--experiment", "cmp", "--tracking-uri", uri, "--format", fmt]
+    )
     assert result.exit_code == 0, result.output
     return result.output
 

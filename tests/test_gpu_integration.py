@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import JOBS, mlflow_client, only_run, run_rayapp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -22,8 +21,17 @@ def gpus() -> int:
 def test_nccl_on_two_nodes(workdir, strategy):
     if gpus() < 2:
         pytest.skip("needs 2 GPUs: one per embedded node")
-    result = run_rayapp("submit", "--nodes", "2", "--strategy", strategy, "--epochs", "2",
-                        str(JOBS / "mlp_synthetic.yaml"), cwd=workdir)
+    result = run_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--strategy",
+        strategy,
+        "--epochs",
+        "2",
+        str(JOBS / "mlp_synthetic.yaml"),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     run = only_run(mlflow_client(workdir))
     assert run.data.params["backend"] == "nccl"
@@ -34,8 +42,17 @@ def test_nccl_on_two_nodes(workdir, strategy):
 def test_single_process_multi_gpu(workdir, strategy):
     if gpus() < 2:
         pytest.skip("needs 2 GPUs on one node")
-    result = run_rayapp("submit", "--nodes", "1", "--strategy", strategy, "--epochs", "3",
-                        str(JOBS / "digits_mlp.yaml"), cwd=workdir)
+    result = run_rayapp(
+        "submit",
+        "--nodes",
+        "1",
+        "--strategy",
+        strategy,
+        "--epochs",
+        "3",
+        str(JOBS / "digits_mlp.yaml"),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     run = only_run(mlflow_client(workdir))
     assert run.data.metrics["test_accuracy"] > 0.5

@@ -6,22 +6,49 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayapp.spec.loader import build_spec, parse_job_yaml
 from rayapp.spec import JobSpec, SpecError
+from rayapp.spec.loader import build_spec, parse_job_yaml
 
 SECTION_KEYS = {
     "model": ["kind", "hidden"],
     "data": ["kind", "features", "targets", "steps_per_epoch", "num_samples"],
-    "train": ["epochs", "batch_size", "global_batch_size", "lr", "optimizer", "seed", "scaling", "strategy"],
-    "cluster": ["nodes", "workers_per_node", "backend", "cpus_per_worker", "address", "storage_path", "max_failures"],
+    "train": [
+        "epochs",
+        "batch_size",
+        "global_batch_size",
+        "lr",
+        "optimizer",
+        "seed",
+        "scaling",
+        "strategy",
+    ],
+    "cluster": [
+        "nodes",
+        "workers_per_node",
+        "backend",
+        "cpus_per_worker",
+        "address",
+        "storage_path",
+        "max_failures",
+    ],
     "tracking": ["experiment", "tracking_uri"],
 }
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.sampled_from(["ddp", "fsdp", "gloo", "auto", "strong", "weak", "mlp", "linear", "digits"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["ddp", "fsdp", "gloo", "auto", "strong", "weak", "mlp", "linear", "digits"]),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -30,7 +57,9 @@ def documents(draw):
     document = {}
     for section, keys in SECTION_KEYS.items():
         if draw(st.booleans()):
-            chosen = draw(st.lists(st.sampled_from(keys + ["bogus"]), unique=True, max_size=len(keys)))
+            chosen = draw(
+                st.lists(st.sampled_from(keys + ["bogus"]), unique=True, max_size=len(keys))
+            )
             document[section] = {key: draw(values) for key in chosen}
     if draw(st.integers(0, 9)) == 0:
         document[draw(st.text(max_size=6))] = draw(values)

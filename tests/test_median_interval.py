@@ -7,7 +7,6 @@ import random
 import sys
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -23,7 +22,9 @@ def test_six_values_give_min_to_max_at_their_exact_coverage():
 def test_five_values_are_too_few_for_95_percent():
     assert median_interval([1.0, 1.1, 1.2, 1.3, 1.4]) is None
     assert median_interval([]) is None
-    assert median_interval([1.0, 1.1, 1.2, 1.3, 1.4], level=0.9).coverage == pytest.approx(1 - 2 / 32)
+    assert median_interval([1.0, 1.1, 1.2, 1.3, 1.4], level=0.9).coverage == pytest.approx(
+        1 - 2 / 32
+    )
 
 
 def test_twenty_values_use_the_sixth_from_each_end():
@@ -31,10 +32,10 @@ def test_twenty_values_use_the_sixth_from_each_end():
     random.Random(3).shuffle(values)
     interval = median_interval(values)
     assert (interval.low, interval.high, interval.rank) == (6.0, 15.0, 6)
-    tail = sum(math.comb(20, i) for i in range(6)) / 2 ** 20
+    tail = sum(math.comb(20, i) for i in range(6)) / 2**20
     assert interval.coverage == pytest.approx(1 - 2 * tail)
     # one rank narrower would fall under 95%
-    narrower_tail = sum(math.comb(20, i) for i in range(7)) / 2 ** 20
+    narrower_tail = sum(math.comb(20, i) for i in range(7)) / 2**20
     assert 1 - 2 * narrower_tail < 0.95
 
 

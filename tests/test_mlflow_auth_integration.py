@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import JOBS, MlflowServer, run_rayapp
 
 from rayapp.launch import warm
-
-from conftest import JOBS, MlflowServer, run_rayapp
 
 pytestmark = pytest.mark.integration
 
@@ -19,9 +18,14 @@ PASSWORD = "s3cret-Admin-pw-7f2c"  # distinctive, so a grep finds it wherever it
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("auth-mlflow"), app_name="basic-auth",
-                          env={"MLFLOW_AUTH_ADMIN_PASSWORD": PASSWORD,
-                               "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-flask-key"})
+    server = MlflowServer(
+        tmp_path_factory.mktemp("auth-mlflow"),
+        app_name="basic-auth",
+        env={
+            "MLFLOW_AUTH_ADMIN_PASSWORD": PASSWORD,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-flask-key",
+        },
+    )
     server.start()
     yield server
     server.stop()
@@ -32,12 +36,26 @@ def credentials(password: str) -> dict[str, str]:
 
 
 def test_a_refused_password_fails_before_any_cluster_starts(auth_server, tmp_path):
-    result = run_rayapp("submit", "--nodes", "2", "--epochs", "1", "--tracking-uri", auth_server.uri,
-                        str(JOBS / "seed_linear.yaml"), cwd=tmp_path, env=credentials("wrong-password"), timeout=60)
+    result = run_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        "1",
+        "--tracking-uri",
+        auth_server.uri,
+        str(JOBS / "seed_linear.yaml"),
+        cwd=tmp_path,
+        env=credentials("wrong-password"),
+        timeout=60,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert f"MLflow at {auth_server.uri} refused user 'admin' (HTTP 401)" in result.stderr
-    assert "starting embedded" not in result.stdout and "wrong-password" not in result.stdout + result.stderr
+    assert (
+        "starting embedded" not in result.stdout
+        and "wrong-password" not in result.stdout + result.stderr
+    )
 
 
 def every_text_under(directory: Path) -> str:
@@ -48,7 +66,9 @@ def every_text_under(directory: Path) -> str:
     return "\n".join(texts)
 
 
-def test_credentials_reach_the_workers_and_no_secret_is_left_behind(auth_server, tmp_path, monkeypatch):
+def test_credentials_reach_the_workers_and_no_secret_is_left_behind(
+    auth_server, tmp_path, monkeypatch
+):
     monkeypatch.setenv(warm.STATE_DIR_ENV, str(tmp_path / "state"))
     up = run_rayapp("cluster", "up", "--nodes", "2", cwd=tmp_path)
     assert up.returncode == 0, up.stderr
@@ -56,9 +76,20 @@ def test_credentials_reach_the_workers_and_no_secret_is_left_behind(auth_server,
     try:
         # The warm cluster's nodes were started without the MLflow password: the workers can only
         # have it because rayapp handed it to them.
-        result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", "--tracking-uri", auth_server.uri,
-                            "--experiment", "auth", str(JOBS / "seed_linear.yaml"), cwd=tmp_path,
-                            env=credentials(PASSWORD))
+        result = run_rayapp(
+            "submit",
+            "--nodes",
+            "2",
+            "--epochs",
+            "2",
+            "--tracking-uri",
+            auth_server.uri,
+            "--experiment",
+            "auth",
+            str(JOBS / "seed_linear.yaml"),
+            cwd=tmp_path,
+            env=credentials(PASSWORD),
+        )
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
         # The end-of-run hint is the run's page on the server, in MLflow's model-training view.
         assert f"view:  {auth_server.uri}/#/experiments/" in result.stdout

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import JOBS, MlflowServer, run_rayapp, start_rayapp, wait_for_line
 from mlflow.tracking import MlflowClient
 
 from rayapp.tracking.outbox import GRACE_ENV
 from rayapp.tracking.run import EPOCH_METRICS
-
-from conftest import JOBS, MlflowServer, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +19,9 @@ def assert_complete(client: MlflowClient, run) -> None:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(EPOCHS)), f"{key} logged at {steps}"
     assert "total_time_s" in run.data.metrics
-    assert "model/model_state_dict.pt" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert "model/model_state_dict.pt" in {
+        a.path for a in client.list_artifacts(run.info.run_id, "model")
+    }
 
 
 def the_run(server: MlflowServer):
@@ -31,8 +32,18 @@ def the_run(server: MlflowServer):
 
 
 def submit_args(server: MlflowServer) -> list[str]:
-    return ["submit", "--nodes", "2", "--epochs", str(EPOCHS), "--experiment", "outage",
-            "--tracking-uri", server.uri, str(JOBS / "seed_linear.yaml")]
+    return [
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        str(EPOCHS),
+        "--experiment",
+        "outage",
+        "--tracking-uri",
+        server.uri,
+        str(JOBS / "seed_linear.yaml"),
+    ]
 
 
 def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
@@ -43,7 +54,9 @@ def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
     try:
         seen = wait_for_line(process, f"2/{EPOCHS}  loss")
         server.stop()
-        seen += wait_for_line(process, f"5/{EPOCHS}  loss")  # training went on while the server was down
+        seen += wait_for_line(
+            process, f"5/{EPOCHS}  loss"
+        )  # training went on while the server was down
         server.start()
         output, _ = process.communicate(timeout=300)
         output = "".join(seen) + output
@@ -73,12 +86,16 @@ def test_server_gone_until_the_end_leaves_a_fallback_file_to_import(tmp_path):
         assert len(fallbacks) == 1, output[-3000:]
 
         server.start()
-        imported = run_rayapp("import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path)
+        imported = run_rayapp(
+            "import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path
+        )
         assert imported.returncode == 0, imported.stderr
         client, run = the_run(server)
         assert run.info.status == "FINISHED"
         assert_complete(client, run)
-        again = run_rayapp("import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path)
+        again = run_rayapp(
+            "import-metrics", str(fallbacks[0]), "--tracking-uri", server.uri, cwd=tmp_path
+        )
         assert again.returncode != 0  # renamed to *.imported: nothing is delivered twice
     finally:
         if process.poll() is None:

@@ -7,15 +7,23 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rayapp.tracking.outbox import MAX_METRICS_PER_WRITE, MAX_WRITE_GAP_S, Outbox, Record, leading_write
 from rayapp.tracking.logger import RunLogger
+from rayapp.tracking.outbox import (
+    MAX_METRICS_PER_WRITE,
+    MAX_WRITE_GAP_S,
+    Outbox,
+    Record,
+    leading_write,
+)
 from rayapp.tracking.run import EPOCH_METRICS, WRITE_COST_METRICS, open_run
 
 
 @pytest.fixture
 def store(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    return uri, open_run(tracking_uri=uri, experiment="outbox", run_name="paced", params={}, tags={})
+    return uri, open_run(
+        tracking_uri=uri, experiment="outbox", run_name="paced", params={}, tags={}
+    )
 
 
 def epoch_metrics(epoch: int) -> dict[str, float]:
@@ -45,7 +53,9 @@ def test_write_budget_sets_how_often_the_sender_writes(store, tmp_path):
     for budget in (1.0, 0.005):  # 1.0: write whenever something is queued; 0.005: Outbox's default
         outbox = Outbox(uri, tmp_path / f"fallback-{budget}.jsonl", write_budget=budget)
         for epoch in range(30):
-            outbox.put(Record("metrics", run_id, step=epoch, values={f"paced_{budget}": float(epoch)}))
+            outbox.put(
+                Record("metrics", run_id, step=epoch, values={f"paced_{budget}": float(epoch)})
+            )
             time.sleep(0.05)
         assert outbox.close() is None
         writes[budget] = outbox.stats.writes

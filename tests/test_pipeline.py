@@ -9,13 +9,18 @@ import random
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import JOBS
 from torch import nn
 
 from rayapp.cli import main
 from rayapp.spec.loader import build_spec, load_spec
-from rayapp.train.pipeline import StageBatches, balanced_split, bubble_ideal, layer_units, split_model
-
-from conftest import JOBS
+from rayapp.train.pipeline import (
+    StageBatches,
+    balanced_split,
+    bubble_ideal,
+    layer_units,
+    split_model,
+)
 
 JOB = JOBS / "mlp_pipeline.yaml"
 
@@ -37,7 +42,9 @@ def test_balanced_split_covers_every_unit_once_with_the_smallest_largest_stage(s
     ranges = balanced_split(sizes, parts)
     assert len(ranges) == parts
     assert ranges[0][0] == 0 and ranges[-1][1] == len(sizes)
-    assert all(a < b for a, b in ranges) and all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:]))
+    assert all(a < b for a, b in ranges) and all(
+        prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:])
+    )
     assert max(sum(sizes[a:b]) for a, b in ranges) == brute_force_best(sizes, parts)
 
 
@@ -47,17 +54,29 @@ def test_balanced_split_refuses_more_parts_than_units():
 
 
 def test_mlp_split_keeps_every_layer_once_under_its_name_and_balances_parameters():
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
-                          nn.ReLU(), nn.Linear(256, 64))
+    model = nn.Sequential(
+        nn.Linear(64, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 64),
+    )
     for stages in (2, 3, 4):
         parts = split_model(model, stages)
         names = [name for part in parts for name, _ in part.named_children()]
         assert names == [name for name, _ in model.named_children()]  # each once, in order
-        assert all(dict(part.named_children())[name] is model._modules[name]
-                   for part in parts for name, _ in part.named_children())
+        assert all(
+            dict(part.named_children())[name] is model._modules[name]
+            for part in parts
+            for name, _ in part.named_children()
+        )
         counts = [sum(p.numel() for p in part.parameters()) for part in parts]
         assert all(counts) and sum(counts) == sum(p.numel() for p in model.parameters())
-        units = [sum(p.numel() for _, m in unit for p in m.parameters()) for unit in layer_units(model)]
+        units = [
+            sum(p.numel() for _, m in unit for p in m.parameters()) for unit in layer_units(model)
+        ]
         assert max(counts) == brute_force_best(units, stages)
     # The stages chained are the model; their state dict keys are the model's.
     inputs = torch.randn(5, 64)
@@ -67,8 +86,13 @@ def test_mlp_split_keeps_every_layer_once_under_its_name_and_balances_parameters
 
 
 def test_parameterless_layers_stay_with_the_layer_before_them():
-    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 2), nn.Tanh())
-    assert [[name for name, _ in unit] for unit in layer_units(model)] == [["0", "1", "2", "3"], ["4", "5"]]
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(4, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 2), nn.Tanh()
+    )
+    assert [[name for name, _ in unit] for unit in layer_units(model)] == [
+        ["0", "1", "2", "3"],
+        ["4", "5"],
+    ]
     with pytest.raises(ValueError, match="2 layer"):
         split_model(model, 3)
     with pytest.raises(TypeError, match="nn.Sequential"):
@@ -78,7 +102,9 @@ def test_parameterless_layers_stay_with_the_layer_before_them():
 def test_stage_batches_give_inputs_to_the_first_stage_and_targets_to_the_last():
     loader = [[torch.ones(4, 3), torch.zeros(4, 1)]]
     assert StageBatches(loader, first=True, last=False).__iter__().__next__() is loader[0]
-    assert torch.equal(next(iter(StageBatches(loader, first=False, last=True)))["target"], torch.zeros(4, 1))
+    assert torch.equal(
+        next(iter(StageBatches(loader, first=False, last=True)))["target"], torch.zeros(4, 1)
+    )
     assert next(iter(StageBatches(loader, first=False, last=False))) == {"target": None}
     assert bubble_ideal(2, 8) == pytest.approx(1 / 9) and bubble_ideal(4, 4) == pytest.approx(3 / 7)
 
@@ -86,38 +112,87 @@ def test_stage_batches_give_inputs_to_the_first_stage_and_targets_to_the_last():
 def test_the_shipped_job_and_its_defaults():
     spec = load_spec(JOB)
     pipe = spec.train.pipeline
-    assert (spec.train.strategy, pipe.stages, pipe.microbatches, pipe.schedule) == ("pp", 2, 8, "gpipe")
-    assert (spec.data_parallel_size, spec.batch_size_per_worker, spec.global_batch_size) == (1, 256, 256)
-    assert spec.steps_per_epoch == spec.num_train_samples // 256  # the stages share one replica's batches
-    default = build_spec({"model": {"kind": "mlp", "hidden": [8, 8]}}, {"train.strategy": "pp", "cluster.nodes": 3})
+    assert (spec.train.strategy, pipe.stages, pipe.microbatches, pipe.schedule) == (
+        "pp",
+        2,
+        8,
+        "gpipe",
+    )
+    assert (spec.data_parallel_size, spec.batch_size_per_worker, spec.global_batch_size) == (
+        1,
+        256,
+        256,
+    )
+    assert (
+        spec.steps_per_epoch == spec.num_train_samples // 256
+    )  # the stages share one replica's batches
+    default = build_spec(
+        {"model": {"kind": "mlp", "hidden": [8, 8]}}, {"train.strategy": "pp", "cluster.nodes": 3}
+    )
     assert default.train.pipeline.stages == 3  # one stage per worker
     assert build_spec({}, {}).train.pipeline is None
     assert load_spec(JOB, {"train.strategy": "ddp"}).train.pipeline is None  # a pp job run as ddp
-    assert load_spec(JOB, {"train.pipeline.microbatches": 1}).train.pipeline.microbatches == 1  # < stages: allowed
+    assert (
+        load_spec(JOB, {"train.pipeline.microbatches": 1}).train.pipeline.microbatches == 1
+    )  # < stages: allowed
 
 
 def invoke(*args):
     return CliRunner().invoke(main, ["submit", *map(str, args)])
 
 
-@pytest.mark.parametrize("args,message", [
-    ([JOB, "--pp-stages", "1"], "train.pipeline.stages: 1 is not accepted; use a whole number >= 2"),
-    ([JOB, "--pp-stages", "4"], "train.pipeline.stages: 4 is not accepted with world_size 2 (nodes 2 * "
-                                "workers_per_node 1); strategy pp runs one stage per worker"),
-    ([JOB, "--nodes", "3"], "train.pipeline.stages: 2 is not accepted with world_size 3"),
-    ([JOB, "--microbatches", "0"], "train.pipeline.microbatches: 0 is not accepted; use a whole number >= 1"),
-    ([JOB, "--microbatches", "3"], "train.pipeline.microbatches: 3 does not divide the batch of 256"),
-    ([JOB, "--pp-schedule", "zb"], "train.pipeline.schedule: 'zb' is not accepted; use one of: gpipe, 1f1b"),
-    ([JOB, "--compile"], "train.compile: true is not accepted with train.strategy 'pp'"),
-    ([JOB, "--precision", "fp16"], "train.precision: 'fp16' is not accepted with train.strategy 'pp'"),
-    ([JOB, "--log-every-steps", "5"], "tracking.log_every_steps: 5 is not accepted with train.strategy 'pp'"),
-    ([JOB, "--strategy", "ddp", "--microbatches", "4"], "train.pipeline: only for train.strategy pp, not 'ddp'"),
-    ([JOBS / "digits_mlp.yaml", "--strategy", "pp"], "train.strategy: 'pp' is not accepted with world_size 1"),
-    ([JOBS / "seed_linear.yaml", "--strategy", "pp", "--nodes", "2"],
-     "model.kind: 'linear' with hidden [] has 1 layer(s) to split, fewer than train.pipeline.stages 2"),
-    ([JOBS / "digits_mlp.yaml", "--strategy", "pp", "--nodes", "3"],
-     "model.kind: 'mlp' with hidden [128] has 2 layer(s) to split, fewer than train.pipeline.stages 3"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            [JOB, "--pp-stages", "1"],
+            "train.pipeline.stages: 1 is not accepted; use a whole number >= 2",
+        ),
+        (
+            [JOB, "--pp-stages", "4"],
+            "train.pipeline.stages: 4 is not accepted with world_size 2 (nodes 2 * "
+            "workers_per_node 1); strategy pp runs one stage per worker",
+        ),
+        ([JOB, "--nodes", "3"], "train.pipeline.stages: 2 is not accepted with world_size 3"),
+        (
+            [JOB, "--microbatches", "0"],
+            "train.pipeline.microbatches: 0 is not accepted; use a whole number >= 1",
+        ),
+        (
+            [JOB, "--microbatches", "3"],
+            "train.pipeline.microbatches: 3 does not divide the batch of 256",
+        ),
+        (
+            [JOB, "--pp-schedule", "zb"],
+            "train.pipeline.schedule: 'zb' is not accepted; use one of: gpipe, 1f1b",
+        ),
+        ([JOB, "--compile"], "train.compile: true is not accepted with train.strategy 'pp'"),
+        (
+            [JOB, "--precision", "fp16"],
+            "train.precision: 'fp16' is not accepted with train.strategy 'pp'",
+        ),
+        (
+            [JOB, "--log-every-steps", "5"],
+            "tracking.log_every_steps: 5 is not accepted with train.strategy 'pp'",
+        ),
+        (
+            [JOB, "--strategy", "ddp", "--microbatches", "4"],
+            "train.pipeline: only for train.strategy pp, not 'ddp'",
+        ),
+        (
+            [JOBS / "digits_mlp.yaml", "--strategy", "pp"],
+            "train.strategy: 'pp' is not accepted with world_size 1",
+        ),
+        (
+            [JOBS / "seed_linear.yaml", "--strategy", "pp", "--nodes", "2"],
+            "model.kind: 'linear' with hidden [] has 1 layer(s) to split, fewer than train.pipeline.stages 2",
+        ),
+        (
+            [JOBS / "digits_mlp.yaml", "--strategy", "pp", "--nodes", "3"],
+            "model.kind: 'mlp' with hidden [128] has 2 layer(s) to split, fewer than train.pipeline.stages 3",
+        ),
+    ],
+)
 def test_bad_pipeline_settings_exit_2_with_one_line(args, message):
     result = invoke(*args)
     assert result.exit_code == 2, result.output
@@ -126,15 +201,28 @@ def test_bad_pipeline_settings_exit_2_with_one_line(args, message):
     assert len(result.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("text,message", [
-    ("train:\n  strategy: pp\n  pipeline:\n    stage: 2\n", "train.pipeline.stage: unknown key; accepted keys are stages"),
-    ("train:\n  strategy: pp\n  pipeline: 2\n", "train.pipeline: 2 is not accepted; use a mapping of stages"),
-    ("train:\n  pipeline: {microbatches: 4}\n", "train.pipeline: only for train.strategy pp"),
-    ("model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\n  grad_accum_steps: 2\ncluster: {nodes: 2}\n",
-     "train.grad_accum_steps: 2 is not accepted with train.strategy 'pp'"),
-    ("model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\ncheckpoint: {format: full}\ncluster: {nodes: 2}\n",
-     "checkpoint.format: 'full' is not accepted with train.strategy 'pp'"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "train:\n  strategy: pp\n  pipeline:\n    stage: 2\n",
+            "train.pipeline.stage: unknown key; accepted keys are stages",
+        ),
+        (
+            "train:\n  strategy: pp\n  pipeline: 2\n",
+            "train.pipeline: 2 is not accepted; use a mapping of stages",
+        ),
+        ("train:\n  pipeline: {microbatches: 4}\n", "train.pipeline: only for train.strategy pp"),
+        (
+            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\n  grad_accum_steps: 2\ncluster: {nodes: 2}\n",
+            "train.grad_accum_steps: 2 is not accepted with train.strategy 'pp'",
+        ),
+        (
+            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\ncheckpoint: {format: full}\ncluster: {nodes: 2}\n",
+            "checkpoint.format: 'full' is not accepted with train.strategy 'pp'",
+        ),
+    ],
+)
 def test_bad_pipeline_yaml_exit_2_with_one_line(tmp_path, text, message):
     path = tmp_path / "job.yaml"
     path.write_text(text)
@@ -146,7 +234,10 @@ def test_bad_pipeline_yaml_exit_2_with_one_line(tmp_path, text, message):
 def test_submit_help_lists_the_pipeline_flags():
     output = CliRunner().invoke(main, ["submit", "-h"]).output
     assert all(flag in output for flag in ("--pp-stages", "--microbatches", "--pp-schedule"))
-    assert all(flag in CliRunner().invoke(main, ["bench", "-h"]).output for flag in ("--pp-stages", "--microbatches"))
+    assert all(
+        flag in CliRunner().invoke(main, ["bench", "-h"]).output
+        for flag in ("--pp-stages", "--microbatches")
+    )
 
 
 # ---- two real stages on Gloo, without Ray ----------------------------------------------
@@ -174,22 +265,28 @@ def _two_stages(rank: int, port: int, directory: str, results) -> None:
     def trained(steps: int, resume: bool):
         model = split_model(build_model(spec), 2)[rank]
         optimizer = build_optimizer(spec, model)
-        hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        hyperparameters = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
         if resume:
             checkpoint.load(directory, model, optimizer, {})
             restore_hyperparameters(optimizer, hyperparameters)
-        schedule = make_schedule(spec, model, build_loss(spec), rank=rank, device=device, clock=clock)
+        schedule = make_schedule(
+            spec, model, build_loss(spec), rank=rank, device=device, clock=clock
+        )
         losses = []
         for _ in range(steps):
             clock.schedule.start()
-            losses.append(float(run_step(schedule, batch, first=rank == 0, last=rank == 1, device=device)))
+            losses.append(
+                float(run_step(schedule, batch, first=rank == 0, last=rank == 1, device=device))
+            )
             clock.schedule.stop()
             optimizer.step()
             optimizer.zero_grad()
         return model, optimizer, losses
 
     model, optimizer, straight = trained(3, resume=False)  # three steps in one go
-    model, optimizer, first = trained(2, resume=False)     # two, a checkpoint, and one after resuming
+    model, optimizer, first = trained(2, resume=False)  # two, a checkpoint, and one after resuming
     checkpoint.save(spec, directory, model, optimizer, {}, rank=rank)
     dist.barrier()
     _, _, after = trained(1, resume=True)
@@ -207,7 +304,9 @@ def test_two_stages_train_like_one_process_and_resume_from_dcp(tmp_path, monkeyp
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_two_stages, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _two_stages, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="spawn"
+    )
     outcome = {rank: rest for rank, *rest in (results.get(), results.get())}
 
     spec = load_spec(JOB)
@@ -223,6 +322,8 @@ def test_two_stages_train_like_one_process_and_resume_from_dcp(tmp_path, monkeyp
         expected.append(torch.stack(parts).mean().item())
     straight, resumed, schedule_s, compute_s = outcome[1]
     assert straight == pytest.approx(expected, rel=1e-5)
-    assert resumed == pytest.approx(straight, rel=1e-6)  # the resumed stage and Adam state are exact
+    assert resumed == pytest.approx(
+        straight, rel=1e-6
+    )  # the resumed stage and Adam state are exact
     assert outcome[0][0] == [0.0, 0.0, 0.0]  # only the last stage holds the loss
     assert 0 < compute_s < schedule_s

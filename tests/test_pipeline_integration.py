@@ -15,11 +15,19 @@ import signal
 
 import pytest
 import torch
+from conftest import (
+    JOBS,
+    cmdline,
+    descendants,
+    mlflow_client,
+    only_run,
+    run_rayapp,
+    start_rayapp,
+    wait_for_line,
+)
 
 from rayapp.spec.loader import load_spec
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
-
-from conftest import JOBS, cmdline, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +51,10 @@ def reference_losses(epochs: int) -> list[float]:
         shard_sampler(loader).set_epoch(epoch)
         total = []
         for inputs, targets in loader:
-            parts = [loss_fn(model(x), y) for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches))]
+            parts = [
+                loss_fn(model(x), y)
+                for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches))
+            ]
             (torch.stack(parts).sum() / microbatches).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -53,7 +64,10 @@ def reference_losses(epochs: int) -> list[float]:
 
 
 def history(client, run, key):
-    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+    return [
+        m.value
+        for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+    ]
 
 
 def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
@@ -62,7 +76,9 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
     client = mlflow_client(workdir)
     run = only_run(client)
     assert run.data.params["strategy"] == "pp" and run.data.params["world_size"] == "2"
-    assert run.data.params["batch_size"] == run.data.params["global_batch_size"] == "256"  # one replica
+    assert (
+        run.data.params["batch_size"] == run.data.params["global_batch_size"] == "256"
+    )  # one replica
     assert history(client, run, "loss") == pytest.approx(reference_losses(EPOCHS), rel=1e-4)
 
     # Each stage holds its own layers: rank 0 about half of what every DDP rank would hold (the whole model).
@@ -70,17 +86,31 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
 
     whole = sum(p.numel() * p.element_size() for p in build_model(load_spec(JOB)).parameters())
     metrics = run.data.metrics
-    assert 0.4 < metrics["param_bytes_per_rank"] / whole < 0.6, (metrics["param_bytes_per_rank"], whole)
+    assert 0.4 < metrics["param_bytes_per_rank"] / whole < 0.6, (
+        metrics["param_bytes_per_rank"],
+        whole,
+    )
     assert metrics["stage_0_param_bytes"] + metrics["stage_1_param_bytes"] == whole
     assert metrics["pipeline_bubble_ideal"] == pytest.approx(1 / 9)  # (S-1)/(M+S-1), S=2, M=8
-    for key in ("pipeline_bubble", "comm_time_s", "stage_0_compute_time_s", "stage_1_compute_time_s",
-                "stage_0_peak_mem_mb", "stage_1_peak_mem_mb"):
+    for key in (
+        "pipeline_bubble",
+        "comm_time_s",
+        "stage_0_compute_time_s",
+        "stage_1_compute_time_s",
+        "stage_0_peak_mem_mb",
+        "stage_1_peak_mem_mb",
+    ):
         values = history(client, run, key)
-        assert len(values) == EPOCHS and all(math.isfinite(v) and v > 0 for v in values), (key, values)
+        assert len(values) == EPOCHS and all(math.isfinite(v) and v > 0 for v in values), (
+            key,
+            values,
+        )
     assert all(b < 1 for b in history(client, run, "pipeline_bubble"))
     # samples counted once per pipeline, not once per stage
     samples = int(run.data.params["train_samples"])
-    assert history(client, run, "samples_per_s")[-1] == pytest.approx(samples / metrics["epoch_time_s"], rel=1e-6)
+    assert history(client, run, "samples_per_s")[-1] == pytest.approx(
+        samples / metrics["epoch_time_s"], rel=1e-6
+    )
 
     # The model artifact is the whole model, gathered from both stages.
     (path,) = workdir.glob("mlartifacts/*/artifacts/model/model_state_dict.pt")
@@ -89,8 +119,17 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
 
 def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir):
     epochs = 4
-    process = start_rayapp("submit", "--pp-schedule", "1f1b", "--epochs", str(epochs), "--max-failures", "1",
-                           str(JOB), cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--pp-schedule",
+        "1f1b",
+        "--epochs",
+        str(epochs),
+        "--max-failures",
+        "1",
+        str(JOB),
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
         workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]

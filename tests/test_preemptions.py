@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -28,13 +27,13 @@ POLL0, POLL1, GLOO = ("client.poll0", 102), ("client.poll1", 103), ("gloo_tcp_lo
 
 TRACE = [
     switch(0.0, GLOO, "S", TRAIN_A),
-    switch(0.4, TRAIN_A, "R", POLL0),   # preempted
+    switch(0.4, TRAIN_A, "R", POLL0),  # preempted
     switch(0.41, POLL0, "S", TRAIN_A),
     switch(0.8, TRAIN_A, "R+", POLL1),  # preempted (R+ = runnable, preemption flag)
     switch(0.81, POLL1, "S", TRAIN_B),
-    switch(1.2, TRAIN_B, "S", MAIN),    # went to sleep: not a preemption
+    switch(1.2, TRAIN_B, "S", MAIN),  # went to sleep: not a preemption
     switch(1.21, MAIN, "S", TRAIN_B),
-    switch(1.6, TRAIN_B, "R", GLOO),    # preempted
+    switch(1.6, TRAIN_B, "R", GLOO),  # preempted
     switch(2.0, GLOO, "S", TRAIN_A),
 ]
 

@@ -8,20 +8,39 @@ import signal
 import time
 
 import pytest
+from conftest import (
+    JOBS,
+    alive,
+    cmdline,
+    connect,
+    descendants,
+    mlflow_client,
+    only_run,
+    run_rayapp,
+    start_rayapp,
+    wait_for_line,
+)
 
-from rayapp.tracking.backfill import newest_history
 from rayapp.launch.cluster import EmbeddedCluster
+from rayapp.tracking.backfill import newest_history
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
-
-from conftest import JOBS, alive, cmdline, connect, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 
 
 def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
     epochs = 6
-    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
-                           str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        str(epochs),
+        "--max-failures",
+        "1",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
         workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
@@ -42,12 +61,17 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
         assert steps == list(range(epochs)), f"{key} logged at {steps}"
 
 
-@pytest.mark.parametrize("signum, exit_code, said", [
-    (signal.SIGINT, 130, "interrupted;"),                # Ctrl-C
-    (signal.SIGTERM, 143, "terminated by SIGTERM;"),     # kill, a scheduler's stop, systemd
-])
+@pytest.mark.parametrize(
+    "signum, exit_code, said",
+    [
+        (signal.SIGINT, 130, "interrupted;"),  # Ctrl-C
+        (signal.SIGTERM, 143, "terminated by SIGTERM;"),  # kill, a scheduler's stop, systemd
+    ],
+)
 def test_ctrl_c_or_sigterm_stops_cluster_and_marks_run_killed(workdir, signum, exit_code, said):
-    process = start_rayapp("submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    process = start_rayapp(
+        "submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir
+    )
     try:
         wait_for_line(process, "  1/200  loss")
         started = descendants(process.pid)
@@ -61,7 +85,9 @@ def test_ctrl_c_or_sigterm_stops_cluster_and_marks_run_killed(workdir, signum, e
     assert said in output and "Traceback" not in output
     assert "SIGTERM received" not in output  # Ray's own handler did not take over
     time.sleep(1)
-    assert not [pid for pid in started if alive(pid)], "processes of the embedded cluster outlived rayapp"
+    assert not [pid for pid in started if alive(pid)], (
+        "processes of the embedded cluster outlived rayapp"
+    )
     client = mlflow_client(workdir)
     run = only_run(client)
     assert run.info.status == "KILLED"
@@ -83,7 +109,9 @@ def two_node_cluster():
     cluster.start()
     try:
         try:
-            connect(cluster)  # only to see every node alive: the tests reach the cluster through the CLI
+            connect(
+                cluster
+            )  # only to see every node alive: the tests reach the cluster through the CLI
         finally:
             ray.shutdown()
         yield cluster
@@ -93,8 +121,19 @@ def two_node_cluster():
 
 def test_more_nodes_than_the_cluster_has_fails_fast(workdir, two_node_cluster):
     started = time.monotonic()
-    result = run_rayapp("submit", "--address", two_node_cluster.address, "--nodes", "5", "--epochs", "1",
-                        str(JOBS / "seed_linear.yaml"), cwd=workdir, env=two_node_cluster.auth_env, timeout=120)
+    result = run_rayapp(
+        "submit",
+        "--address",
+        two_node_cluster.address,
+        "--nodes",
+        "5",
+        "--epochs",
+        "1",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+        env=two_node_cluster.auth_env,
+        timeout=120,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 1
     assert elapsed < 30, f"took {elapsed:.0f}s"
@@ -104,8 +143,18 @@ def test_more_nodes_than_the_cluster_has_fails_fast(workdir, two_node_cluster):
 
 
 def test_existing_cluster_runs_a_job(workdir, two_node_cluster):
-    result = run_rayapp("submit", "--address", two_node_cluster.address, "--nodes", "2", "--epochs", "1",
-                        str(JOBS / "seed_linear.yaml"), cwd=workdir, env=two_node_cluster.auth_env)
+    result = run_rayapp(
+        "submit",
+        "--address",
+        two_node_cluster.address,
+        "--nodes",
+        "2",
+        "--epochs",
+        "1",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+        env=two_node_cluster.auth_env,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     run = only_run(mlflow_client(workdir))
     assert run.data.tags["rayapp.cluster"] == two_node_cluster.address
@@ -115,8 +164,11 @@ def test_existing_cluster_runs_a_job(workdir, two_node_cluster):
 def kill_node(rayapp_pid: int, ip: str) -> None:
     """Every process of one embedded node at once (its `ray start`, raylet and the workers on it),
     as when a machine of a real cluster goes away."""
-    leaders = [pid for pid in descendants(rayapp_pid)
-               if f"--node-ip-address={ip}" in cmdline(pid) and " start " in cmdline(pid)]
+    leaders = [
+        pid
+        for pid in descendants(rayapp_pid)
+        if f"--node-ip-address={ip}" in cmdline(pid) and " start " in cmdline(pid)
+    ]
     assert leaders, f"no `ray start` process for node {ip} under rayapp"
     for pid in [*leaders, *(child for leader in leaders for child in descendants(leader))]:
         with contextlib.suppress(ProcessLookupError):
@@ -125,7 +177,15 @@ def kill_node(rayapp_pid: int, ip: str) -> None:
 
 def test_losing_a_node_with_no_restarts_left_fails_fast_naming_it(workdir):
     epochs = 300
-    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        str(epochs),
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, f" 2/{epochs}  loss")
         kill_node(process.pid, "127.0.0.3")
@@ -149,8 +209,17 @@ def test_losing_a_node_with_no_restarts_left_fails_fast_naming_it(workdir):
 
 def test_a_lost_node_comes_back_and_training_resumes_in_the_same_run(workdir):
     epochs = 20
-    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
-                           str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        str(epochs),
+        "--max-failures",
+        "1",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, f" 2/{epochs}  loss")
         kill_node(process.pid, "127.0.0.3")
@@ -166,7 +235,9 @@ def test_a_lost_node_comes_back_and_training_resumes_in_the_same_run(workdir):
     assert run.data.tags[TAG_ATTEMPTS] == "2"
     assert sorted(run.data.tags["rayapp.node_ips"].split(",")) == ["127.0.0.2", "127.0.0.3"]
     for key in EPOCH_METRICS:
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(epochs)), key
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(
+            range(epochs)
+        ), key
 
 
 def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two_node_cluster):
@@ -186,8 +257,13 @@ def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two
             # The GCS's own record (the state API needs the dashboard, which this cluster runs without).
             placed = ray._private.state.actors(queue.actor._actor_id.hex())["Address"]["NodeID"]
             assert placed == ray.get_runtime_context().get_node_id()
-            config = WorkerConfig(spec=load_spec(JOBS / "seed_linear.yaml"), run_id="r", tracking_uri="",
-                                  submitted_at=0.0, progress=queue)
+            config = WorkerConfig(
+                spec=load_spec(JOBS / "seed_linear.yaml"),
+                run_id="r",
+                tracking_uri="",
+                submitted_at=0.0,
+                progress=queue,
+            )
             config.tell("first")
             ray.kill(queue.actor)
             time.sleep(1)
@@ -214,8 +290,18 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_retur
         # what rayapp sets for its embedded cluster: Ray Train, restarting after the loss, may first
         # try the old size on a stale view of the cluster and wait this long before trying fewer
         env = {**cluster.auth_env, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
-        process = start_rayapp("submit", "--address", cluster.address, "--nodes", "1:2", "--epochs", str(epochs),
-                               str(job), cwd=workdir, env=env)
+        process = start_rayapp(
+            "submit",
+            "--address",
+            cluster.address,
+            "--nodes",
+            "1:2",
+            "--epochs",
+            str(epochs),
+            str(job),
+            cwd=workdir,
+            env=env,
+        )
         try:
             wait_for_line(process, "training on 2 node(s), world size 2")
             wait_for_line(process, f" 3/{epochs}  loss")
@@ -237,13 +323,20 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_retur
     run = only_run(client)
     assert run.info.status == "KILLED"
     assert run.data.params["nodes"] == "1:2" and run.data.params["world_size"] == "1:2"
-    steps = {key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) for key in EPOCH_METRICS}
+    steps = {
+        key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        for key in EPOCH_METRICS
+    }
     logged = steps["loss"]
     assert logged == list(range(len(logged))), f"epochs missing or logged twice: {logged}"
     for key, key_steps in steps.items():
         assert key_steps == logged, f"{key} logged at {key_steps}, loss at {logged}"
-    sizes = [int(m.value) for m in sorted(client.get_metric_history(run.info.run_id, "world_size"),
-                                          key=lambda m: m.step)]
+    sizes = [
+        int(m.value)
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step
+        )
+    ]
     # 2, then 1 while the node was away, then 2 again: runs of the same size collapsed
     phases = [size for index, size in enumerate(sizes) if index == 0 or sizes[index - 1] != size]
     assert phases == [2, 1, 2], sizes

@@ -20,11 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import JOBS
 
 from rayapp.launch.cluster import EmbeddedCluster, free_port
 from rayapp.tracking.run import TAG_NODE_IDS
-
-from conftest import JOBS
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +36,9 @@ STATE: dict[str, str] = {}
 
 
 def _get(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(
+        url, headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read().decode()
@@ -74,12 +75,21 @@ def _stop_running_jobs(dashboard_url: str) -> None:
 
     with contextlib.suppress(Exception):
         client = JobSubmissionClient(dashboard_url)
-        running = [job.submission_id for job in client.list_jobs()
-                   if job.submission_id and str(job.status) in ("PENDING", "RUNNING")]
+        running = [
+            job.submission_id
+            for job in client.list_jobs()
+            if job.submission_id and str(job.status) in ("PENDING", "RUNNING")
+        ]
         for submission_id in running:
             client.stop_job(submission_id)
-        _wait_until("running jobs to stop", lambda: all(
-            str(client.get_job_status(submission_id)) not in ("PENDING", "RUNNING") for submission_id in running), 60)
+        _wait_until(
+            "running jobs to stop",
+            lambda: all(
+                str(client.get_job_status(submission_id)) not in ("PENDING", "RUNNING")
+                for submission_id in running
+            ),
+            60,
+        )
 
 
 @contextlib.contextmanager
@@ -88,13 +98,30 @@ def _mlflow_server(directory: Path):
     url = f"http://127.0.0.1:{port}"
     log = open(directory / "mlflow-server.log", "w")
     command = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
-        "--artifacts-destination", str(directory / "artifacts"),
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{directory / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(directory / "artifacts"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True, env=env)
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
     log.close()
     try:
         yield url, process
@@ -118,8 +145,12 @@ def stack(tmp_path_factory):
     saved_env = dict(os.environ)
     # The job's entrypoint runs `python` on the head node: this interpreter, as on a real cluster
     # where Ray was started from the environment rayapp is installed in.
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    cluster = EmbeddedCluster(nodes=2, cpus_per_node=1, include_dashboard=True, log_dir=directory / "ray-logs")
+    os.environ["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )
+    cluster = EmbeddedCluster(
+        nodes=2, cpus_per_node=1, include_dashboard=True, log_dir=directory / "ray-logs"
+    )
     try:
         with _mlflow_server(directory) as (mlflow_url, mlflow_process):
             cluster.start()
@@ -127,15 +158,21 @@ def stack(tmp_path_factory):
             cluster.prepare_client()
             token = cluster.auth_env["RAY_AUTH_TOKEN"]
             _wait_until(
-                "the dashboard with 2 alive nodes", lambda: _alive_nodes(cluster.dashboard_url, token) >= 2,
-                START_TIMEOUT_S, lambda: f"(Ray logs in {cluster.log_dir})",
+                "the dashboard with 2 alive nodes",
+                lambda: _alive_nodes(cluster.dashboard_url, token) >= 2,
+                START_TIMEOUT_S,
+                lambda: f"(Ray logs in {cluster.log_dir})",
             )
             _wait_until(
-                "the Jobs API", lambda: _get(f"{cluster.dashboard_url}/api/jobs/", token)[0] == 200, START_TIMEOUT_S,
+                "the Jobs API",
+                lambda: _get(f"{cluster.dashboard_url}/api/jobs/", token)[0] == 200,
+                START_TIMEOUT_S,
             )
             _wait_until(
-                "mlflow server /health", lambda: mlflow_process.poll() is None and _get(f"{mlflow_url}/health")[0] == 200,
-                START_TIMEOUT_S, lambda: (directory / "mlflow-server.log").read_text()[-2000:],
+                "mlflow server /health",
+                lambda: mlflow_process.poll() is None and _get(f"{mlflow_url}/health")[0] == 200,
+                START_TIMEOUT_S,
+                lambda: (directory / "mlflow-server.log").read_text()[-2000:],
             )
             try:
                 yield cluster.dashboard_url, mlflow_url, cluster
@@ -147,12 +184,24 @@ def stack(tmp_path_factory):
         os.environ.update(saved_env)
 
 
-def rayapp(*args: str, timeout: float = 120, env: dict | None = None, drop: tuple[str, ...] = (),
-           cwd: Path | None = None) -> subprocess.CompletedProcess:
+def rayapp(
+    *args: str,
+    timeout: float = 120,
+    env: dict | None = None,
+    drop: tuple[str, ...] = (),
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI" and k not in drop}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "rayapp", *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "rayapp", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def output(result: subprocess.CompletedProcess) -> str:
@@ -179,25 +228,43 @@ def test_the_cluster_runs_the_resolved_spec(job):
     """What the job's driver loads is the spec resolved here, flags included, pointed at its own cluster."""
     import dataclasses
 
-    from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
     from rayapp.launch.remote_job import remote_job_yaml
+    from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
 
-    here = load_spec(JOBS / f"{job}.yaml", {"cluster.nodes": 2, "train.epochs": 3, "cluster.address": "http://h:8265",
-                                            "tracking.tracking_uri": "http://mlflow:5000"})
+    here = load_spec(
+        JOBS / f"{job}.yaml",
+        {
+            "cluster.nodes": 2,
+            "train.epochs": 3,
+            "cluster.address": "http://h:8265",
+            "tracking.tracking_uri": "http://mlflow:5000",
+        },
+    )
     there = build_spec(parse_job_yaml(remote_job_yaml(here, "http://mlflow:5000")))
     assert there.cluster.address == "auto"
-    assert there == dataclasses.replace(here, cluster=dataclasses.replace(here.cluster, address="auto"))
+    assert there == dataclasses.replace(
+        here, cluster=dataclasses.replace(here.cluster, address="auto")
+    )
 
 
 def test_local_tracking_store_is_refused(tmp_path):
     """A SQLite store on the laptop is unreachable from a cluster: refused before anything is submitted."""
-    refused = rayapp("submit", "--address", "http://127.0.0.1:8265", "--tracking-uri", "sqlite:///mlflow.db",
-                     str(JOBS / "seed_linear.yaml"), cwd=tmp_path)
+    refused = rayapp(
+        "submit",
+        "--address",
+        "http://127.0.0.1:8265",
+        "--tracking-uri",
+        "sqlite:///mlflow.db",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=tmp_path,
+    )
     assert refused.returncode == 1, output(refused)
     line = one_error_line(refused)
     assert "sqlite:///" in line and "--tracking-uri http://" in line
 
-    default = rayapp("submit", "--address", "http://127.0.0.1:8265", str(JOBS / "seed_linear.yaml"), cwd=tmp_path)
+    default = rayapp(
+        "submit", "--address", "http://127.0.0.1:8265", str(JOBS / "seed_linear.yaml"), cwd=tmp_path
+    )
     assert default.returncode == 1, output(default)
     assert "default MLflow store" in one_error_line(default)
 
@@ -205,8 +272,18 @@ def test_local_tracking_store_is_refused(tmp_path):
 def test_submit_streams_and_logs_to_the_tracking_server(stack, tmp_path):
     dashboard_url, mlflow_url, _ = stack
     result = rayapp(
-        "submit", "--address", dashboard_url, "--nodes", "2", "--epochs", "2", "--tracking-uri", mlflow_url,
-        str(JOBS / "seed_linear.yaml"), timeout=JOB_TIMEOUT_S, cwd=tmp_path,
+        "submit",
+        "--address",
+        dashboard_url,
+        "--nodes",
+        "2",
+        "--epochs",
+        "2",
+        "--tracking-uri",
+        mlflow_url,
+        str(JOBS / "seed_linear.yaml"),
+        timeout=JOB_TIMEOUT_S,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, output(result)
     match = SUBMISSION_ID.search(result.stdout)
@@ -257,16 +334,26 @@ def test_status_and_logs_of_the_finished_job(stack):
 def test_token_auth(stack, tmp_path):
     """No token: one line saying what to set. A token file alone (no RAY_AUTH_MODE) is enough."""
     dashboard_url, _, cluster = stack
-    no_token = rayapp("status", "--address", dashboard_url, env={"HOME": str(tmp_path)},
-                      drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    no_token = rayapp(
+        "status",
+        "--address",
+        dashboard_url,
+        env={"HOME": str(tmp_path)},
+        drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"),
+    )
     assert no_token.returncode == 1, output(no_token)
     assert "requires a token" in one_error_line(no_token)
 
     token_file = tmp_path / "auth_token"
     token_file.write_text(cluster.auth_env["RAY_AUTH_TOKEN"])
     token_file.chmod(0o600)
-    with_file = rayapp("status", "--address", dashboard_url, env={"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(token_file)},
-                       drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"))
+    with_file = rayapp(
+        "status",
+        "--address",
+        dashboard_url,
+        env={"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(token_file)},
+        drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"),
+    )
     assert with_file.returncode == 0, output(with_file)
 
     wrong = rayapp("status", "--address", dashboard_url, env={"RAY_AUTH_TOKEN": "0" * 64})
@@ -277,8 +364,20 @@ def test_token_auth(stack, tmp_path):
 def test_detach_then_stop(stack, tmp_path):
     dashboard_url, mlflow_url, _ = stack
     submitted = rayapp(
-        "submit", "--address", dashboard_url, "--nodes", "2", "--epochs", "1000", "--experiment", "stopped",
-        "--tracking-uri", mlflow_url, "--detach", str(JOBS / "seed_linear.yaml"), cwd=tmp_path,
+        "submit",
+        "--address",
+        dashboard_url,
+        "--nodes",
+        "2",
+        "--epochs",
+        "1000",
+        "--experiment",
+        "stopped",
+        "--tracking-uri",
+        mlflow_url,
+        "--detach",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=tmp_path,
     )
     assert submitted.returncode == 0, output(submitted)
     job = SUBMISSION_ID.search(submitted.stdout).group(1)
@@ -289,7 +388,9 @@ def test_detach_then_stop(stack, tmp_path):
     client = JobSubmissionClient(dashboard_url)
     # Training has started (an epoch line is in the job's output), so there is a run to mark KILLED.
     _wait_until(
-        "the job's first epoch", lambda: re.search(r"epoch +1/1000 ", client.get_job_logs(job)), JOB_TIMEOUT_S / 2,
+        "the job's first epoch",
+        lambda: re.search(r"epoch +1/1000 ", client.get_job_logs(job)),
+        JOB_TIMEOUT_S / 2,
         lambda: f"status {client.get_job_status(job)}; logs:\n{client.get_job_logs(job)[-3000:]}",
     )
     assert str(client.get_job_status(job)) == "RUNNING"
@@ -301,7 +402,9 @@ def test_detach_then_stop(stack, tmp_path):
 
     # The driver was interrupted (SIGINT), not killed outright: it marked its MLflow run KILLED.
     [run] = mlflow_runs(mlflow_url, "stopped")
-    assert run.info.status == "KILLED", f"run {run.info.status}; job output:\n{client.get_job_logs(job)[-3000:]}"
+    assert run.info.status == "KILLED", (
+        f"run {run.info.status}; job output:\n{client.get_job_logs(job)[-3000:]}"
+    )
 
     again = rayapp("stop", job, "--address", dashboard_url)
     assert again.returncode == 0 and "already ended STOPPED" in again.stdout, output(again)

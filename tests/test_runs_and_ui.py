@@ -18,8 +18,13 @@ from rayapp.tracking.run import close_run, open_run
 
 
 def logged_run(uri: str) -> str:
-    run_id = open_run(tracking_uri=uri, experiment="rayapp", run_name="seed_linear-n2",
-                      params={"job": "seed_linear", "nodes": "2", "world_size": "2", "strategy": "ddp"}, tags={})
+    run_id = open_run(
+        tracking_uri=uri,
+        experiment="rayapp",
+        run_name="seed_linear-n2",
+        params={"job": "seed_linear", "nodes": "2", "world_size": "2", "strategy": "ddp"},
+        tags={},
+    )
     logger = RunLogger(uri, run_id, fallback_path="/nonexistent/x.jsonl")
     for epoch, seconds in enumerate([3.0, 1.0, 2.0]):
         logger.log_epoch(epoch, {"loss": 1.0 / (epoch + 1), "epoch_time_s": seconds})
@@ -46,13 +51,19 @@ def test_ui_serves_the_store(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logged_run(uri)
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "rayapp", "ui", "--tracking-uri", uri, "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rayapp", "ui", "--tracking-uri", uri, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/health", timeout=2
+                ) as response:
                     assert response.status == 200
                     break
             except OSError:

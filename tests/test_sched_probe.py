@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -52,7 +51,11 @@ def test_table_lists_the_spinning_thread(busy_process, capsys):
 @pytest.mark.parametrize(
     "argv, code, message",
     [
-        (["no-process-has-this-in-its-command-line-" + uuid.uuid4().hex, "0.1"], 1, "no running process"),
+        (
+            ["no-process-has-this-in-its-command-line-" + uuid.uuid4().hex, "0.1"],
+            1,
+            "no running process",
+        ),
         (["anything", "0"], 2, "seconds must be > 0"),
     ],
 )

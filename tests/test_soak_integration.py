@@ -14,10 +14,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import JOBS, cmdline, descendants, run_rayapp
 
 from rayapp.launch import warm
-
-from conftest import JOBS, cmdline, descendants, run_rayapp
 
 pytestmark = pytest.mark.integration
 JOBS_IN_A_ROW = int(os.environ.get("RAYAPP_SOAK_JOBS", "10"))
@@ -67,7 +66,9 @@ def descriptors(pid: int) -> int:
 
 
 def footprint(record: warm.WarmCluster, temp_root: Path) -> dict:
-    processes = sorted({*record.leaders, *(child for leader in record.leaders for child in descendants(leader))})
+    processes = sorted(
+        {*record.leaders, *(child for leader in record.leaders for child in descendants(leader))}
+    )
     by_name: dict[str, int] = {}
     for pid in processes:
         by_name[process_name(pid)] = by_name.get(process_name(pid), 0) + descriptors(pid)
@@ -87,9 +88,14 @@ def lasting_descriptors(first: dict, last: dict) -> tuple[int, int]:
     the log monitor and the GCS apart. Ray's idle worker processes come and go between jobs (about 40
     descriptors each); a new process carries nothing over from earlier jobs, so only a process that
     lives through them all can accumulate a leak."""
-    lasting = [pid for pid, (name, _) in first["by pid"].items()
-               if pid in last["by pid"] and name not in COUNTED_APART]
-    return sum(first["by pid"][pid][1] for pid in lasting), sum(last["by pid"][pid][1] for pid in lasting)
+    lasting = [
+        pid
+        for pid, (name, _) in first["by pid"].items()
+        if pid in last["by pid"] and name not in COUNTED_APART
+    ]
+    return sum(first["by pid"][pid][1] for pid in lasting), sum(
+        last["by pid"][pid][1] for pid in lasting
+    )
 
 
 def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
@@ -103,10 +109,20 @@ def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
     try:
         counts = []
         for job in range(JOBS_IN_A_ROW):
-            result = run_rayapp("submit", "--nodes", "2", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=tmp_path)
+            result = run_rayapp(
+                "submit",
+                "--nodes",
+                "2",
+                "--epochs",
+                "1",
+                str(JOBS / "seed_linear.yaml"),
+                cwd=tmp_path,
+            )
             assert result.returncode == 0, f"job {job + 1}: {result.stderr[-2000:]}"
             counts.append(footprint(record, temp_root))
-            print(f"after job {job + 1}: {({k: v for k, v in counts[-1].items() if k != 'by pid'})}")
+            print(
+                f"after job {job + 1}: { ({k: v for k, v in counts[-1].items() if k != 'by pid'}) }"
+            )
     finally:
         assert run_rayapp("cluster", "down", cwd=tmp_path).returncode == 0
         # torch's compile cache (torchinductor_<user>) is shared by every run on purpose
@@ -118,8 +134,11 @@ def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
     # it may be full or refilling, hence one process (and its port) per node.
     assert last["processes"] <= first["processes"] + record.nodes, counts
     before, after = lasting_descriptors(first, last)
-    grown = {f"{name} ({pid})": (n, last["by pid"][pid][1]) for pid, (name, n) in first["by pid"].items()
-             if pid in last["by pid"] and last["by pid"][pid][1] != n}
+    grown = {
+        f"{name} ({pid})": (n, last["by pid"][pid][1])
+        for pid, (name, n) in first["by pid"].items()
+        if pid in last["by pid"] and last["by pid"][pid][1] != n
+    }
     print(f"lasting processes' descriptors: {before} -> {after}; changed: {grown}")
     # Each raylet keeps up to one descriptor more per finished job (seen: 55 -> 62 and 52 -> 55 over nine
     # jobs), as the GCS keeps two; plus a few of slack for a connection open at the moment of counting.

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
-from rayapp.spec import JobSpec, SpecError
-
 from conftest import JOBS
+
+from rayapp.spec import JobSpec, SpecError
+from rayapp.spec.loader import build_spec, load_spec, parse_job_yaml
 
 
 @pytest.mark.parametrize("job", sorted(p.name for p in JOBS.glob("*.yaml")))
@@ -23,7 +22,11 @@ def test_seed_linear_is_the_articles_loop():
     spec = load_spec(JOBS / "seed_linear.yaml")
     assert (spec.model.kind, spec.data.input_size, spec.data.output_size) == ("linear", 10, 10)
     assert (spec.train.optimizer, spec.train.lr, spec.train.epochs) == ("sgd", 0.001, 10)
-    assert (spec.batch_size_per_worker, spec.steps_per_epoch, spec.train.scaling) == (64, 100, "weak")
+    assert (spec.batch_size_per_worker, spec.steps_per_epoch, spec.train.scaling) == (
+        64,
+        100,
+        "weak",
+    )
 
 
 def test_precedence_defaults_then_yaml_then_flags():
@@ -48,7 +51,10 @@ def test_weak_scaling_grows_data_with_world_size():
 
 
 def test_strong_scaling_splits_a_fixed_global_batch():
-    document = {"train": {"scaling": "strong", "global_batch_size": 256}, "data": {"num_samples": 4096}}
+    document = {
+        "train": {"scaling": "strong", "global_batch_size": 256},
+        "data": {"num_samples": 4096},
+    }
     one = build_spec(document, {"cluster.nodes": 1})
     two = build_spec(document, {"cluster.nodes": 2})
     assert (one.batch_size_per_worker, two.batch_size_per_worker) == (256, 128)
@@ -65,8 +71,14 @@ BAD = [
     ({"cluster.nodes": 0}, "cluster.nodes: 0"),
     ({"cluster.nodes": -2}, "cluster.nodes: -2"),
     ({"cluster.workers_per_node": 0}, "cluster.workers_per_node: 0"),
-    ({"cluster.backend": "tcp"}, "cluster.backend: 'tcp' is not accepted; use one of: auto, nccl, gloo, mpi"),
-    ({"train.strategy": "zero3"}, "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp, dp, mp"),
+    (
+        {"cluster.backend": "tcp"},
+        "cluster.backend: 'tcp' is not accepted; use one of: auto, nccl, gloo, mpi",
+    ),
+    (
+        {"train.strategy": "zero3"},
+        "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp, dp, mp",
+    ),
     ({"train.scaling": "linear"}, "train.scaling: 'linear'"),
     ({"train.epochs": 0}, "train.epochs: 0"),
     ({"train.lr": -0.1}, "train.lr: -0.1"),
@@ -94,7 +106,10 @@ def test_bad_values_name_the_value_and_what_is_accepted(overrides, message):
         ("train:\n  epoch: 2\n", "train.epoch: unknown key; accepted keys are epochs"),
         ("train: 5\n", "train: 5 is not accepted"),
         ("model:\n  kind: mlp\n", "model.hidden: [] is not accepted"),
-        ("model:\n  kind: linear\n  hidden: [3]\n", "model.hidden: [3] is not accepted for kind linear"),
+        (
+            "model:\n  kind: linear\n  hidden: [3]\n",
+            "model.hidden: [3] is not accepted for kind linear",
+        ),
         ("data:\n  kind: digits\n", "'weak' is not accepted with data.kind digits"),
         ("train:\n  scaling: strong\n", "train.global_batch_size: missing"),
         ("train:\n  epochs: ten\n", "train.epochs: 'ten'"),
@@ -109,7 +124,10 @@ def test_bad_yaml_gives_one_line(text, message):
 
 def test_strong_scaling_global_batch_must_divide_world():
     document = {"train": {"scaling": "strong", "global_batch_size": 100}}
-    with pytest.raises(SpecError, match=r"global_batch_size: 100 is not divisible by world_size 3 \(nodes 3 \* workers_per_node 1\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"global_batch_size: 100 is not divisible by world_size 3 \(nodes 3 \* workers_per_node 1\)",
+    ):
         build_spec(document, {"cluster.nodes": 3})
 
 
@@ -134,7 +152,10 @@ def test_job_name_defaults_to_file_stem(tmp_path):
 @pytest.mark.parametrize("strategy", ["dp", "mp"])
 def test_single_process_strategies_need_one_worker(strategy):
     document = {"model": {"kind": "mlp", "hidden": [8]}}
-    with pytest.raises(SpecError, match=rf"'{strategy}' runs one process on one node, not nodes 2 \* workers_per_node 1"):
+    with pytest.raises(
+        SpecError,
+        match=rf"'{strategy}' runs one process on one node, not nodes 2 \* workers_per_node 1",
+    ):
         build_spec(document, {"train.strategy": strategy, "cluster.nodes": 2})
     assert build_spec(document, {"train.strategy": strategy}).world_size == 1
 
@@ -150,7 +171,9 @@ def test_nodes_range_is_elastic(nodes):
     assert (spec.cluster.min_nodes, spec.cluster.nodes, spec.cluster.elastic) == (1, 2, True)
     assert spec.cluster.nodes_label == "1:2"
     assert (spec.cluster.min_world_size, spec.cluster.world_size) == (1, 2)
-    assert spec.cluster.failures_allowed == 1  # a lost node is a restart onto fewer, not the run's end
+    assert (
+        spec.cluster.failures_allowed == 1
+    )  # a lost node is a restart onto fewer, not the run's end
 
 
 def test_unquoted_range_in_yaml_is_elastic_not_a_base_60_number():
@@ -160,20 +183,38 @@ def test_unquoted_range_in_yaml_is_elastic_not_a_base_60_number():
 
 
 def test_min_nodes_key_and_equal_bounds():
-    assert build_spec(parse_job_yaml("cluster:\n  nodes: 4\n  min_nodes: 2\n"), {}).cluster.nodes_label == "2:4"
+    assert (
+        build_spec(parse_job_yaml("cluster:\n  nodes: 4\n  min_nodes: 2\n"), {}).cluster.nodes_label
+        == "2:4"
+    )
     fixed = build_spec({}, {"cluster.nodes": "2:2"}).cluster
     assert (fixed.elastic, fixed.nodes, fixed.failures_allowed) == (False, 2, 0)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"cluster.nodes": "2:1"}, "cluster.min_nodes: 2 is more than cluster.nodes 1"),
-    ({"cluster.nodes": "0:2"}, "cluster.min_nodes: 0"),
-    ({"cluster.nodes": "1:"}, "cluster.nodes: '1:' is not accepted; use a whole number >= 1, or MIN:MAX"),
-    ({"cluster.nodes": "a:b"}, "cluster.nodes: 'a:b' is not accepted"),
-    ({"cluster.nodes": "1:2", "cluster.min_nodes": 1}, "gives a minimum and so does cluster.min_nodes"),
-    ({"cluster.nodes": "1:2", "cluster.resize_interval_s": 0}, "cluster.resize_interval_s: 0 is not accepted"),
-    ({"cluster.nodes": "1:2", "train.strategy": "pp"}, "(elastic) is not accepted with strategy pp"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"cluster.nodes": "2:1"}, "cluster.min_nodes: 2 is more than cluster.nodes 1"),
+        ({"cluster.nodes": "0:2"}, "cluster.min_nodes: 0"),
+        (
+            {"cluster.nodes": "1:"},
+            "cluster.nodes: '1:' is not accepted; use a whole number >= 1, or MIN:MAX",
+        ),
+        ({"cluster.nodes": "a:b"}, "cluster.nodes: 'a:b' is not accepted"),
+        (
+            {"cluster.nodes": "1:2", "cluster.min_nodes": 1},
+            "gives a minimum and so does cluster.min_nodes",
+        ),
+        (
+            {"cluster.nodes": "1:2", "cluster.resize_interval_s": 0},
+            "cluster.resize_interval_s: 0 is not accepted",
+        ),
+        (
+            {"cluster.nodes": "1:2", "train.strategy": "pp"},
+            "(elastic) is not accepted with strategy pp",
+        ),
+    ],
+)
 def test_bad_node_ranges_are_one_line(overrides, message):
     with pytest.raises(SpecError) as caught:
         build_spec({}, overrides)
@@ -182,11 +223,17 @@ def test_bad_node_ranges_are_one_line(overrides, message):
 
 
 def test_an_elastic_strong_run_keeps_its_global_batch_at_every_size():
-    spec = build_spec({"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:2"})
+    spec = build_spec(
+        {"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:2"}
+    )
     assert (spec.batch_size_at(2), spec.batch_size_at(1)) == (32, 64)
     weak = build_spec({}, {"cluster.nodes": "1:2"})
     assert weak.batch_size_at(1) == weak.batch_size_at(2) == weak.train.batch_size
     with pytest.raises(SpecError) as caught:
-        build_spec({"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:4"})
-    assert "64 is not divisible by every world size an elastic run may train at (1 to 4)" in str(caught.value)
+        build_spec(
+            {"train": {"scaling": "strong", "global_batch_size": 64}}, {"cluster.nodes": "1:4"}
+        )
+    assert "64 is not divisible by every world size an elastic run may train at (1 to 4)" in str(
+        caught.value
+    )
     assert "e.g. 60" in str(caught.value)

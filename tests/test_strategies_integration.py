@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import JOBS, mlflow_client, run_rayapp
 
 pytestmark = pytest.mark.integration
@@ -26,8 +25,16 @@ def runs(tmp_path_factory):
         "ddp2": ["--nodes", "2", "--strategy", "ddp"],
         "fsdp2": ["--nodes", "2", "--strategy", "fsdp"],
     }.items():
-        result = run_rayapp("submit", *args, "--epochs", str(EPOCHS), "--experiment", label,
-                            str(JOBS / "mlp_synthetic.yaml"), cwd=workdir)
+        result = run_rayapp(
+            "submit",
+            *args,
+            "--epochs",
+            str(EPOCHS),
+            "--experiment",
+            label,
+            str(JOBS / "mlp_synthetic.yaml"),
+            cwd=workdir,
+        )
         assert result.returncode == 0, f"{label}: " + result.stderr[-3000:] + result.stdout[-3000:]
     client = mlflow_client(workdir)
     for label in ("ddp1", "ddp2", "fsdp2"):
@@ -37,7 +44,10 @@ def runs(tmp_path_factory):
 
 
 def history(client, run, key):
-    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+    return [
+        m.value
+        for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+    ]
 
 
 def test_ddp_loss_falls(runs):

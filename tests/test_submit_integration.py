@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import pytest
+from conftest import JOBS, mlflow_client, only_run, run_rayapp
 
 from rayapp.tracking.run import EPOCH_METRICS, TAG_CLUSTER, TAG_NODE_IDS, TAG_NODE_IPS
-
-from conftest import JOBS, mlflow_client, only_run, run_rayapp
 
 pytestmark = pytest.mark.integration
 
 EXPECTED_PARAMS = {
-    "job", "nodes", "workers_per_node", "world_size", "backend", "strategy", "epochs",
-    "batch_size", "global_batch_size", "lr", "seed", "scaling",
+    "job",
+    "nodes",
+    "workers_per_node",
+    "world_size",
+    "backend",
+    "strategy",
+    "epochs",
+    "batch_size",
+    "global_batch_size",
+    "lr",
+    "seed",
+    "scaling",
 }
 
 
@@ -23,8 +32,19 @@ def assert_one_value_per_epoch(client, run_id: str, epochs: int, keys=EPOCH_METR
 
 
 def test_seed_linear_on_two_nodes(workdir):
-    result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", "--log-every-steps", "25",
-                        "--system-metrics-interval", "0.5", str(JOBS / "seed_linear.yaml"), cwd=workdir)
+    result = run_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        "2",
+        "--log-every-steps",
+        "25",
+        "--system-metrics-interval",
+        "0.5",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     # Progress on the submitting terminal: every epoch, then the run id.
     assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
@@ -35,8 +55,17 @@ def test_seed_linear_on_two_nodes(workdir):
 
     params = run.data.params
     assert EXPECTED_PARAMS <= set(params)
-    assert (params["job"], params["nodes"], params["world_size"], params["backend"]) == ("seed_linear", "2", "2", "gloo")
-    assert (params["batch_size"], params["global_batch_size"], params["scaling"]) == ("64", "128", "weak")
+    assert (params["job"], params["nodes"], params["world_size"], params["backend"]) == (
+        "seed_linear",
+        "2",
+        "2",
+        "gloo",
+    )
+    assert (params["batch_size"], params["global_batch_size"], params["scaling"]) == (
+        "64",
+        "128",
+        "weak",
+    )
 
     tags = run.data.tags
     node_ids = tags[TAG_NODE_IDS].split(",")
@@ -46,7 +75,13 @@ def test_seed_linear_on_two_nodes(workdir):
     assert "rayapp.torch_version" in tags and "rayapp.ray_version" in tags
 
     assert_one_value_per_epoch(client, run.info.run_id, 2)
-    for key in ("total_time_s", "time_to_first_step_s", "mlflow_write_s", "mlflow_write_cpu_s", "mlflow_writes"):
+    for key in (
+        "total_time_s",
+        "time_to_first_step_s",
+        "mlflow_write_s",
+        "mlflow_write_cpu_s",
+        "mlflow_writes",
+    ):
         assert run.data.metrics[key] > 0, key
     comm = [m.value for m in client.get_metric_history(run.info.run_id, "comm_time_s")]
     epoch = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
@@ -58,17 +93,32 @@ def test_seed_linear_on_two_nodes(workdir):
     for key in ("startup_cluster_s", "startup_workers_s"):
         assert 0 < run.data.metrics[key] < run.data.metrics["time_to_first_step_s"], key
     step_losses = client.get_metric_history(run.info.run_id, "step_loss")
-    assert [m.step for m in step_losses] == list(range(25, 201, 25))  # 100 steps an epoch, every 25th
-    assert {m.step for m in client.get_metric_history(run.info.run_id, "step_samples_per_s")} == set(range(25, 201, 25))
+    assert [m.step for m in step_losses] == list(
+        range(25, 201, 25)
+    )  # 100 steps an epoch, every 25th
+    assert {
+        m.step for m in client.get_metric_history(run.info.run_id, "step_samples_per_s")
+    } == set(range(25, 201, 25))
     for ip in ("127.0.0.2", "127.0.0.3"):
-        assert f"system/{ip}/cpu_utilization_percentage" in run.data.metrics, sorted(run.data.metrics)
+        assert f"system/{ip}/cpu_utilization_percentage" in run.data.metrics, sorted(
+            run.data.metrics
+        )
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):
-    result = run_rayapp("submit", "--nodes", "1", "--workers-per-node", "2", "--epochs", "8",
-                        str(JOBS / "digits_mlp.yaml"), cwd=workdir)
+    result = run_rayapp(
+        "submit",
+        "--nodes",
+        "1",
+        "--workers-per-node",
+        "2",
+        "--epochs",
+        "8",
+        str(JOBS / "digits_mlp.yaml"),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "workers landed on" not in result.stdout
     run = only_run(mlflow_client(workdir))

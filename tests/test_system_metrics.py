@@ -8,11 +8,10 @@ import sys
 import time
 
 import pytest
+from conftest import MlflowServer
 from mlflow.tracking import MlflowClient
 
 from rayapp.train import system_metrics
-
-from conftest import MlflowServer
 
 NODE = "127.0.0.9"
 CPU = f"system/{NODE}/cpu_utilization_percentage"
@@ -42,8 +41,12 @@ print(time.monotonic() - started)
 def test_a_node_whose_work_ends_within_one_interval_still_logs_a_sample(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = new_run(uri)
-    done = subprocess.run([sys.executable, "-c", SHORT_RUN, run_id, uri, NODE], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", SHORT_RUN, run_id, uri, NODE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # stop() cuts the interval short rather than waiting it out...
     assert float(done.stdout.split()[-1]) < 10
@@ -60,7 +63,9 @@ def test_samples_taken_while_the_server_is_down_are_written_when_it_is_back(tmp_
     server = MlflowServer(tmp_path).start()
     try:
         run_id = new_run(server.uri)
-        sampler = system_metrics.start(run_id=run_id, tracking_uri=server.uri, interval_s=0.2, node=NODE, resume=False)
+        sampler = system_metrics.start(
+            run_id=run_id, tracking_uri=server.uri, interval_s=0.2, node=NODE, resume=False
+        )
         time.sleep(1)
         server.stop()
         down_at = time.time()

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rayapp.spec.loader import build_spec
+from rayapp.tracking.logger import NullLogger
 from rayapp.train.config import WorkerConfig
 from rayapp.train.context import TrainContext
-from rayapp.tracking.logger import NullLogger
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,8 +40,15 @@ class RecordingLogger(NullLogger):
 def context(**overrides) -> TrainContext:
     spec = build_spec({"train": {"lr": 1.0}}, {key: value for key, value in overrides.items()})
     config = WorkerConfig(spec=spec, run_id="r", tracking_uri="sqlite://", submitted_at=0.0)
-    return TrainContext(config, RecordingLogger(), rank=0, world_size=1, local_rank=0,
-                        device=torch.device("cpu"), loop_started=0.0)
+    return TrainContext(
+        config,
+        RecordingLogger(),
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        loop_started=0.0,
+    )
 
 
 def one_step(ctx, model, optimizer, inputs, targets) -> bool:
@@ -103,4 +110,6 @@ def test_step_metrics_every_n_steps():
         one_step(ctx, model, optimizer, torch.randn(8, 4), torch.randn(8, 2))
     logged = [(step, metrics) for step, metrics in ctx.logger.metrics if "step_loss" in metrics]
     assert [step for step, _ in logged] == [2, 4]
-    assert all(metrics["step_samples_per_s"] >= 0 and metrics["step_loss"] > 0 for _, metrics in logged)
+    assert all(
+        metrics["step_samples_per_s"] >= 0 and metrics["step_loss"] > 0 for _, metrics in logged
+    )

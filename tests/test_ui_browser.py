@@ -25,17 +25,30 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from conftest import JOBS, mlflow_client, run_rayapp
 
 from rayapp.launch.cluster import free_port
 
-from conftest import JOBS, mlflow_client, run_rayapp
-
 pytestmark = pytest.mark.integration
 
-DEBIAN_CHROMIUM = "/usr/bin/chromium"  # apt-get install chromium; else whichever chromium is on PATH
-CHROMIUM = DEBIAN_CHROMIUM if os.path.exists(DEBIAN_CHROMIUM) else (shutil.which("chromium") or DEBIAN_CHROMIUM)
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+DEBIAN_CHROMIUM = (
+    "/usr/bin/chromium"  # apt-get install chromium; else whichever chromium is on PATH
+)
+CHROMIUM = (
+    DEBIAN_CHROMIUM
+    if os.path.exists(DEBIAN_CHROMIUM)
+    else (shutil.which("chromium") or DEBIAN_CHROMIUM)
+)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VIEWPORT = {"width": 1280, "height": 800}
 EPOCHS = 2
 CHARTS = ("loss", "epoch_time_s", "samples_per_s")  # logged once per epoch by every rayapp run
@@ -77,25 +90,42 @@ def chromium():
 def sweep(chromium, tmp_path_factory) -> Sweep:
     """One real `rayapp bench` sweep (parent run, a child run per cluster size) in a fresh store."""
     directory = tmp_path_factory.mktemp("ui-sweep")
-    result = run_rayapp("bench", str(JOBS / "seed_linear.yaml"), "--nodes", "1,2", "--epochs", str(EPOCHS),
-                        cwd=directory)
+    result = run_rayapp(
+        "bench",
+        str(JOBS / "seed_linear.yaml"),
+        "--nodes",
+        "1,2",
+        "--epochs",
+        str(EPOCHS),
+        cwd=directory,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
 
     client = mlflow_client(directory)
     experiment = client.get_experiment_by_name("rayapp")
     runs = client.search_runs([experiment.experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("rayapp.sweep") == "true"]
-    children = {int(r.data.params["nodes"]): r for r in runs
-                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    children = {
+        int(r.data.params["nodes"]): r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
     assert sorted(children) == [1, 2]
     child = children[2]
     assert set(CHARTS) <= set(child.data.metrics)
     plot = Path(client.download_artifacts(parent.info.run_id, BENCH_PLOT, str(directory)))
     header = plot.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
-    return Sweep(directory=directory, db=directory / "mlflow.db", experiment_id=experiment.experiment_id,
-                 parent_id=parent.info.run_id, child_id=child.info.run_id, child_name=child.info.run_name,
-                 child_metrics=frozenset(child.data.metrics), plot_size=struct.unpack(">II", header[16:24]))
+    return Sweep(
+        directory=directory,
+        db=directory / "mlflow.db",
+        experiment_id=experiment.experiment_id,
+        parent_id=parent.info.run_id,
+        child_id=child.info.run_id,
+        child_name=child.info.run_name,
+        child_metrics=frozenset(child.data.metrics),
+        plot_size=struct.unpack(">II", header[16:24]),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +144,9 @@ def serve(command: list[str], port: int, log: Path, env: dict[str, str]) -> subp
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full_env.update(env)
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -128,12 +159,16 @@ def serve(command: list[str], port: int, log: Path, env: dict[str, str]) -> subp
             break
         time.sleep(0.5)  # polling interval, not an assertion
     stop(process)
-    raise AssertionError(f"{' '.join(command)} did not answer on port {port}; log:\n{log.read_text()[-3000:]}")
+    raise AssertionError(
+        f"{' '.join(command)} did not answer on port {port}; log:\n{log.read_text()[-3000:]}"
+    )
 
 
 def stop(process: subprocess.Popen) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the server, its workers and job runner
+        os.killpg(
+            process.pid, signal.SIGKILL
+        )  # its own session: the server, its workers and job runner
     except ProcessLookupError:
         pass
     process.wait(timeout=30)
@@ -148,8 +183,21 @@ LEAN_SERVER = {"MLFLOW_WORKERS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "fal
 
 def test_rayapp_ui_in_chromium(sweep, shots, capsys):
     port = free_port()
-    process = serve([sys.executable, "-m", "rayapp", "ui", "--tracking-uri", f"sqlite:///{sweep.db}",
-                     "--port", str(port)], port, sweep.directory / f"rayapp-ui-{port}.log", LEAN_SERVER)
+    process = serve(
+        [
+            sys.executable,
+            "-m",
+            "rayapp",
+            "ui",
+            "--tracking-uri",
+            f"sqlite:///{sweep.db}",
+            "--port",
+            str(port),
+        ],
+        port,
+        sweep.directory / f"rayapp-ui-{port}.log",
+        LEAN_SERVER,
+    )
     try:
         # the plain run URL, as a user following a link gets it: MLflow 3 opens it in its GenAI view
         check_ui(f"http://127.0.0.1:{port}/", sweep, shots / "rayapp-ui", workflow=None)
@@ -164,12 +212,26 @@ def test_mlflow_server_in_chromium(sweep, shots, capsys):
     command = [str(mlflow)] if mlflow.exists() else [sys.executable, "-m", "mlflow"]
     # The runs' artifact URIs are file:// paths on this machine; the server reads them directly,
     # so no --artifacts-destination is needed to serve scaling.png.
-    process = serve([*command, "server", "--backend-store-uri", f"sqlite:///{sweep.db}",
-                     "--host", "127.0.0.1", "--port", str(port)],
-                    port, sweep.directory / f"mlflow-server-{port}.log", LEAN_SERVER)
+    process = serve(
+        [
+            *command,
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{sweep.db}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        port,
+        sweep.directory / f"mlflow-server-{port}.log",
+        LEAN_SERVER,
+    )
     try:
         # MLflow 3's "Model training" view of the same pages, which is the one meant for these runs
-        check_ui(f"http://127.0.0.1:{port}/", sweep, shots / "mlflow-server", workflow="machine_learning")
+        check_ui(
+            f"http://127.0.0.1:{port}/", sweep, shots / "mlflow-server", workflow="machine_learning"
+        )
     finally:
         stop(process)
     report(capsys, shots)
@@ -199,20 +261,34 @@ def check_ui(base: str, sweep: Sweep, prefix: Path, workflow: str | None) -> Non
     try:
         with sync_playwright() as playwright:
             context = playwright.chromium.launch_persistent_context(
-                profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, viewport=VIEWPORT)
+                profile,
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                headless=True,
+                viewport=VIEWPORT,
+            )
             try:
                 context.set_default_timeout(PAGE_TIMEOUT_MS)
                 context.route("**/*", loopback_only)
                 # MLflow 3.17 opens its Assistant side panel on a first visit, over a third of the page
                 context.add_init_script(
-                    "window.localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true')")
+                    "window.localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true')"
+                )
                 page = context.new_page()
                 try:
-                    check_child_charts(page, f"{runs}/{sweep.child_id}{query}", sweep,
-                                       Path(f"{prefix}-child-run-metrics.png"))
+                    check_child_charts(
+                        page,
+                        f"{runs}/{sweep.child_id}{query}",
+                        sweep,
+                        Path(f"{prefix}-child-run-metrics.png"),
+                    )
                     check_system_charts(page, sweep, Path(f"{prefix}-child-run-system-metrics.png"))
-                    check_parent_plot(page, f"{runs}/{sweep.parent_id}{query}", sweep,
-                                      Path(f"{prefix}-bench-parent-{BENCH_PLOT}"))
+                    check_parent_plot(
+                        page,
+                        f"{runs}/{sweep.parent_id}{query}",
+                        sweep,
+                        Path(f"{prefix}-bench-parent-{BENCH_PLOT}"),
+                    )
                 except Exception:
                     page.screenshot(path=f"{prefix}-FAILED.png")  # what the page showed instead
                     raise
@@ -233,7 +309,9 @@ CHART_CARDS_JS = """selector => Array.from(document.querySelectorAll(selector)).
 })"""
 
 
-def wait_until(page, predicate_js: str, arg, what: str, state_js: str | None = None, state_arg=None) -> None:
+def wait_until(
+    page, predicate_js: str, arg, what: str, state_js: str | None = None, state_arg=None
+) -> None:
     """page.wait_for_function with a failure that says what the page showed instead."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -242,8 +320,10 @@ def wait_until(page, predicate_js: str, arg, what: str, state_js: str | None = N
     except PlaywrightTimeout:
         state = page.evaluate(state_js, state_arg) if state_js else None
         body = page.inner_text("body")[-1500:]
-        raise AssertionError(f"{what} within {PAGE_TIMEOUT_MS / 1000:.0f} s at {page.url}\n"
-                             f"state: {state}\npage text: {body}") from None
+        raise AssertionError(
+            f"{what} within {PAGE_TIMEOUT_MS / 1000:.0f} s at {page.url}\n"
+            f"state: {state}\npage text: {body}"
+        ) from None
 
 
 def screenshot(page, path: Path) -> None:
@@ -262,10 +342,13 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
     # so narrow the grid to the charts checked here with the page's own search box (a regex)
     # system/<node>/... metrics have their own tab, checked below
     model_metrics = [key for key in sweep.child_metrics if not key.startswith("system/")]
-    wait_until(page, "([selector, count]) => (document.querySelector(selector) || {}).innerText"
-                     "?.includes(`(${count})`)",
-               [SECTION, len(model_metrics)],
-               f"the Model metrics section did not count {len(model_metrics)} charts")
+    wait_until(
+        page,
+        "([selector, count]) => (document.querySelector(selector) || {}).innerText"
+        "?.includes(`(${count})`)",
+        [SECTION, len(model_metrics)],
+        f"the Model metrics section did not count {len(model_metrics)} charts",
+    )
     page.get_by_placeholder("Search metric charts").fill(f"^({'|'.join(CHARTS)})$")
     expected = [[key, f"{sweep.child_name} ({key})"] for key in CHARTS]
     wait_until(
@@ -277,7 +360,8 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
         }}""",
         [CARD, expected, EPOCHS],
         f"charts {list(CHARTS)} with {EPOCHS} points each did not appear",
-        CHART_CARDS_JS, CARD,
+        CHART_CARDS_JS,
+        CARD,
     )
     screenshot(page, shot)
 
@@ -289,16 +373,23 @@ def check_system_charts(page, sweep: Sweep, shot: Path) -> None:
         if key.startswith("system/"):
             node = key.split("/")[1]
             per_node[f"system/{node}"] = per_node.get(f"system/{node}", 0) + 1
-    assert len(per_node) == 2, f"a 2-node run should hold system metrics of 2 nodes: {sorted(per_node)}"
+    assert len(per_node) == 2, (
+        f"a 2-node run should hold system metrics of 2 nodes: {sorted(per_node)}"
+    )
     page.get_by_role("tab", name="System metrics").click()
     headers_js = "selector => Array.from(document.querySelectorAll(selector)).map(h => h.innerText)"
-    wait_until(page, f"""([selector, expected]) => {{
+    wait_until(
+        page,
+        f"""([selector, expected]) => {{
                     const headers = ({headers_js})(selector);
                     return Object.entries(expected).every(([section, count]) => headers.some(
                         text => text.startsWith(section + "\\n") && text.includes(`(${{count}})`)));
                 }}""",
-               [SECTION, per_node], f"the System metrics tab did not show sections {per_node}",
-               headers_js, SECTION)
+        [SECTION, per_node],
+        f"the System metrics tab did not show sections {per_node}",
+        headers_js,
+        SECTION,
+    )
     screenshot(page, shot)
 
 
@@ -309,16 +400,32 @@ def check_parent_plot(page, url: str, sweep: Sweep, shot: Path) -> None:
     nodes = '[data-testid="artifact-tree-node"]'
     names_js = "selector => Array.from(document.querySelectorAll(selector)).map(node => node.innerText.trim())"
     expected = [BENCH_PLOT, "time_breakdown.png", "scaling.csv", "scaling.md", "scaling.json"]
-    wait_until(page, f"([selector, expected]) => {{ const names = ({names_js})(selector);"
-                     " return expected.every(name => names.includes(name)); }",
-               [nodes, expected], f"the artifact tree did not list {expected}", names_js, nodes)
+    wait_until(
+        page,
+        f"([selector, expected]) => {{ const names = ({names_js})(selector);"
+        " return expected.every(name => names.includes(name)); }",
+        [nodes, expected],
+        f"the artifact tree did not list {expected}",
+        names_js,
+        nodes,
+    )
     page.locator(nodes).filter(has_text=BENCH_PLOT).first.click()
     image = f'img[alt="{BENCH_PLOT}"]'
-    wait_until(page, "selector => { const img = document.querySelector(selector);"
-                     " return !!img && img.complete && img.naturalWidth > 0; }",
-               image, f"the {BENCH_PLOT} preview did not load",
-               "selector => Array.from(document.querySelectorAll('img')).map(i => [i.alt, i.naturalWidth])", None)
-    size = page.evaluate("selector => { const img = document.querySelector(selector);"
-                         " return [img.naturalWidth, img.naturalHeight]; }", image)
-    assert tuple(size) == sweep.plot_size, f"{BENCH_PLOT} shown at {size}, the file is {sweep.plot_size}"
+    wait_until(
+        page,
+        "selector => { const img = document.querySelector(selector);"
+        " return !!img && img.complete && img.naturalWidth > 0; }",
+        image,
+        f"the {BENCH_PLOT} preview did not load",
+        "selector => Array.from(document.querySelectorAll('img')).map(i => [i.alt, i.naturalWidth])",
+        None,
+    )
+    size = page.evaluate(
+        "selector => { const img = document.querySelector(selector);"
+        " return [img.naturalWidth, img.naturalHeight]; }",
+        image,
+    )
+    assert tuple(size) == sweep.plot_size, (
+        f"{BENCH_PLOT} shown at {size}, the file is {sweep.plot_size}"
+    )
     screenshot(page, shot)

@@ -20,7 +20,8 @@ def code(tmp_path, monkeypatch):
     """A job directory with uniquely named modules, not on this process's sys.path."""
     suffix = uuid.uuid4().hex[:8]
     names = {"models": f"models_{suffix}", "data": f"data_{suffix}"}
-    (tmp_path / f"{names['models']}.py").write_text(textwrap.dedent("""
+    (tmp_path / f"{names['models']}.py").write_text(
+        textwrap.dedent("""
         from torch import nn
 
         def build(hidden=8):
@@ -31,8 +32,10 @@ def code(tmp_path, monkeypatch):
 
         def not_a_model():
             return {"weights": [1, 2]}
-    """))
-    (tmp_path / f"{names['data']}.py").write_text(textwrap.dedent("""
+    """)
+    )
+    (tmp_path / f"{names['data']}.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch.utils.data import TensorDataset
 
@@ -41,8 +44,11 @@ def code(tmp_path, monkeypatch):
 
         def numbers():
             return 42
-    """))
-    monkeypatch.setattr(sys, "path", list(sys.path))  # what the check inserts is undone after the test
+    """)
+    )
+    monkeypatch.setattr(
+        sys, "path", list(sys.path)
+    )  # what the check inserts is undone after the test
     assert str(tmp_path) not in sys.path
     return tmp_path, names
 
@@ -63,59 +69,92 @@ def assert_bad_input(result, *fragments: str) -> None:
 
 def test_factory_name_that_is_not_defined_lists_what_is(code):
     directory, names = code
-    result = submit(directory, f"""
-        model: {{factory: "{names['models']}:bild"}}
-        data: {{factory: "{names['data']}:load"}}
+    result = submit(
+        directory,
+        f"""
+        model: {{factory: "{names["models"]}:bild"}}
+        data: {{factory: "{names["data"]}:load"}}
         train: {{loss: cross_entropy}}
-    """)
-    assert_bad_input(result, f"model.factory: '{names['models']}:bild' not found in {names['models']}",
-                     "(defines: broken, build, not_a_model)")
+    """,
+    )
+    assert_bad_input(
+        result,
+        f"model.factory: '{names['models']}:bild' not found in {names['models']}",
+        "(defines: broken, build, not_a_model)",
+    )
 
 
 def test_module_that_does_not_exist(code):
     directory, _ = code
-    result = submit(directory, """
+    result = submit(
+        directory,
+        """
         model: {factory: "nosuchmodule_xyz:build"}
-    """)
+    """,
+    )
     assert_bad_input(result, "no module named 'nosuchmodule_xyz'", str(directory))
 
 
 def test_factory_that_raises_names_the_error(code):
     directory, names = code
-    result = submit(directory, f"""
-        model: {{factory: "{names['models']}:broken", args: {{hidden: 3}}}}
-    """)
+    result = submit(
+        directory,
+        f"""
+        model: {{factory: "{names["models"]}:broken", args: {{hidden: 3}}}}
+    """,
+    )
     assert_bad_input(result, f"{names['models']}:broken", "raised ValueError: hidden must be even")
 
 
 def test_factory_returning_the_wrong_type_names_the_type_expected(code):
     directory, names = code
-    result = submit(directory, f"""
-        model: {{factory: "{names['models']}:not_a_model"}}
-    """)
+    result = submit(
+        directory,
+        f"""
+        model: {{factory: "{names["models"]}:not_a_model"}}
+    """,
+    )
     assert_bad_input(result, "returned dict; expected a torch.nn.Module")
-    result = submit(directory, f"""
-        data: {{factory: "{names['data']}:numbers"}}
+    result = submit(
+        directory,
+        f"""
+        data: {{factory: "{names["data"]}:numbers"}}
         train: {{loss: mse}}
-    """)
+    """,
+    )
     assert_bad_input(result, "returned int; expected a map-style torch.utils.data.Dataset")
 
 
 def test_args_that_the_factory_does_not_take(code):
     directory, names = code
-    result = submit(directory, f"""
-        model: {{factory: "{names['models']}:build", args: {{width: 3}}}}
-    """)
+    result = submit(
+        directory,
+        f"""
+        model: {{factory: "{names["models"]}:build", args: {{width: 3}}}}
+    """,
+    )
     assert_bad_input(result, "does not take the args {'width': 3}")
 
 
-@pytest.mark.parametrize("job,message", [
-    ('model: {factory: "m:build", args: [1, 2]}', "model.args: [1, 2] is not accepted; use a mapping"),
-    ('model: {factory: "m:build", kind: mlp}', "model.factory: 'm:build' is not accepted together with model.kind 'mlp'"),
-    ('model: {factory: "m.build"}', "model.factory: 'm.build' is not accepted; use an import path module:function"),
-    ('data: {factory: "d:load"}', "train.loss: missing; with data.factory name the loss"),
-    ('train: {loop: "t:loop", script: t.py}', "train.script and train.loop: give one"),
-])
+@pytest.mark.parametrize(
+    "job,message",
+    [
+        (
+            'model: {factory: "m:build", args: [1, 2]}',
+            "model.args: [1, 2] is not accepted; use a mapping",
+        ),
+        (
+            'model: {factory: "m:build", kind: mlp}',
+            "model.factory: 'm:build' is not accepted together with model.kind 'mlp'",
+        ),
+        (
+            'model: {factory: "m.build"}',
+            "model.factory: 'm.build' is not accepted; use an import path module:function",
+        ),
+        ('data: {factory: "d:load"}', "train.loss: missing; with data.factory name the loss"),
+        ('train: {loop: "t:loop", script: t.py}', "train.script and train.loop: give one"),
+    ],
+)
 def test_malformed_user_code_fields(tmp_path, job, message):
     assert_bad_input(submit(tmp_path, job), message)
 

@@ -15,10 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import (
+    REPO,
+    cmdline,
+    descendants,
+    mlflow_client,
+    only_run,
+    run_rayapp,
+    start_rayapp,
+    wait_for_line,
+)
 
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_RANK_EXIT_CODES
-
-from conftest import REPO, cmdline, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 EXAMPLES = REPO / "examples"
@@ -27,7 +35,9 @@ EXAMPLES = REPO / "examples"
 def example(name: str, tmp_path: Path) -> Path:
     copy = tmp_path / "code" / name
     shutil.copytree(EXAMPLES / name, copy)
-    assert not any(str(copy).startswith(entry) for entry in sys.path if entry and entry != "/"), sys.path
+    assert not any(str(copy).startswith(entry) for entry in sys.path if entry and entry != "/"), (
+        sys.path
+    )
     return copy
 
 
@@ -59,8 +69,17 @@ def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path):
     code, workdir = example("char_gpt", tmp_path), tmp_path / "run"
     workdir.mkdir()
     epochs = 5
-    process = start_rayapp("submit", "--nodes", "2", "--epochs", str(epochs), "--max-failures", "1",
-                           str(code / "job_tiny.yaml"), cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        str(epochs),
+        "--max-failures",
+        "1",
+        str(code / "job_tiny.yaml"),
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
         kill_one_worker(process)
@@ -83,7 +102,9 @@ def logged_script_epochs(db: Path) -> int:
         return 0
     try:
         with sqlite3.connect(db, timeout=1) as connection:
-            return connection.execute("SELECT COUNT(*) FROM metrics WHERE key = 'loss'").fetchone()[0]
+            return connection.execute("SELECT COUNT(*) FROM metrics WHERE key = 'loss'").fetchone()[
+                0
+            ]
     except sqlite3.Error:
         return 0
 
@@ -91,13 +112,28 @@ def logged_script_epochs(db: Path) -> int:
 def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tmp_path):
     code, workdir = example("article_ddp", tmp_path), tmp_path / "run"
     workdir.mkdir()
-    process = start_rayapp("submit", "--nodes", "2", "--max-failures", "1", "--script", str(code / "train.py"),
-                           "--", "--epochs", "6", "--steps", "300", cwd=workdir)
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--max-failures",
+        "1",
+        "--script",
+        str(code / "train.py"),
+        "--",
+        "--epochs",
+        "6",
+        "--steps",
+        "300",
+        cwd=workdir,
+    )
     try:
         wait_for_line(process, "training on 2 worker(s)")
         deadline = time.monotonic() + 300
         while logged_script_epochs(workdir / "mlflow.db") < 2:
-            assert time.monotonic() < deadline and process.poll() is None, "the script logged no epochs"
+            assert time.monotonic() < deadline and process.poll() is None, (
+                "the script logged no epochs"
+            )
             time.sleep(0.5)
         kill_one_worker(process)
         output, _ = process.communicate(timeout=600)
@@ -118,17 +154,22 @@ def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path):
     code, workdir = tmp_path / "code", tmp_path / "run"
     code.mkdir()
     workdir.mkdir()
-    (code / "bad.py").write_text(textwrap.dedent("""
+    (code / "bad.py").write_text(
+        textwrap.dedent("""
         import os, sys
         if os.environ["RANK"] == "1":
             print("loading shard", file=sys.stderr)
             print("FileNotFoundError: data/shard-1.bin", file=sys.stderr)
             sys.exit(3)
-    """))
+    """)
+    )
     result = run_rayapp("submit", "--nodes", "2", "--script", str(code / "bad.py"), cwd=workdir)
     assert result.returncode == 1, result.stdout[-2000:]
     message = result.stderr.strip().splitlines()[-1]
-    assert "bad.py exited with code 3 on rank 1" in message and "FileNotFoundError: data/shard-1.bin" in message
+    assert (
+        "bad.py exited with code 3 on rank 1" in message
+        and "FileNotFoundError: data/shard-1.bin" in message
+    )
     assert "Traceback" not in result.stderr
     run = only_run(mlflow_client(workdir))
     assert run.info.status == "FAILED"

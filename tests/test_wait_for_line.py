@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import wait_for_line
 
 # a burst of lines in one write, the needle last, then silence: the shape of a run's start-up output
@@ -15,7 +14,9 @@ BURST = "import sys, time; sys.stdout.write(''.join(f'line {i}\\n' for i in rang
 
 
 def child(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_a_needle_at_the_end_of_a_burst_is_seen_while_the_process_still_runs():

@@ -10,11 +10,19 @@ import stat
 from pathlib import Path
 
 import pytest
+from conftest import (
+    JOBS,
+    alive,
+    descendants,
+    mlflow_client,
+    only_run,
+    run_rayapp,
+    start_rayapp,
+    wait_for_line,
+)
 
 from rayapp.launch import warm
 from rayapp.launch.cluster import start_time
-
-from conftest import JOBS, alive, descendants, mlflow_client, only_run, run_rayapp, start_rayapp, wait_for_line
 
 pytestmark = pytest.mark.integration
 
@@ -55,22 +63,41 @@ def test_submits_reuse_the_warm_cluster_until_it_is_stopped(state_dir, tmp_path)
     assert any("raylet" in open(f"/proc/{pid}/cmdline").read() for pid in tree if alive(pid))
 
     again = run_rayapp("cluster", "up", "--nodes", "2", cwd=run_dir)
-    assert again.returncode == 1 and record.address in again.stderr and "already running" in again.stderr
+    assert (
+        again.returncode == 1
+        and record.address in again.stderr
+        and "already running" in again.stderr
+    )
 
     # A variable Ray reads when imported, set otherwise than at `cluster up`: the preloaded driver
     # (imported under the old value) declines, and the command runs in its own process.
-    too_many = run_rayapp("submit", "--nodes", "3", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=run_dir,
-                          env={"RAY_DEDUP_LOGS": "0"})
+    too_many = run_rayapp(
+        "submit",
+        "--nodes",
+        "3",
+        "--epochs",
+        "1",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=run_dir,
+        env={"RAY_DEDUP_LOGS": "0"},
+    )
     assert too_many.returncode == 2
-    assert "running without the warm cluster's preloaded driver: RAY_DEDUP_LOGS set differently" in too_many.stderr
+    assert (
+        "running without the warm cluster's preloaded driver: RAY_DEDUP_LOGS set differently"
+        in too_many.stderr
+    )
     assert "cluster.nodes: 3 is more than the warm cluster's 2 node(s)" in too_many.stderr
 
     driver = warm.preloaded_driver_socket()
     assert driver is not None and stat.S_IMODE(driver.stat().st_mode) == 0o600 and record.driver
     for _ in range(2):  # the second submit finds the cluster as the first left it
-        result = run_rayapp("submit", "--nodes", "2", "--epochs", "2", str(JOBS / "seed_linear.yaml"), cwd=run_dir)
+        result = run_rayapp(
+            "submit", "--nodes", "2", "--epochs", "2", str(JOBS / "seed_linear.yaml"), cwd=run_dir
+        )
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-        assert "using the warm cluster" in result.stdout and "starting embedded" not in result.stdout
+        assert (
+            "using the warm cluster" in result.stdout and "starting embedded" not in result.stdout
+        )
         assert "from its preloaded driver" in result.stdout, result.stdout + result.stderr
         assert warm.find() == record
     client = mlflow_client(run_dir)
@@ -86,11 +113,17 @@ def test_submits_reuse_the_warm_cluster_until_it_is_stopped(state_dir, tmp_path)
     down = run_rayapp("cluster", "down", cwd=run_dir)
     assert down.returncode == 0 and "warm cluster stopped" in down.stdout
     assert not state.exists() and not driver.exists()
-    assert not [pid for pid in tree if alive(pid)], "processes of the warm cluster outlived `cluster down`"
-    assert not [pid for pid in record.driver if start_time(pid) == record.driver[pid]], "the preloaded driver outlived it"
+    assert not [pid for pid in tree if alive(pid)], (
+        "processes of the warm cluster outlived `cluster down`"
+    )
+    assert not [pid for pid in record.driver if start_time(pid) == record.driver[pid]], (
+        "the preloaded driver outlived it"
+    )
 
     # With none running, submit starts its own cluster as before.
-    cold = run_rayapp("submit", "--nodes", "1", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=run_dir)
+    cold = run_rayapp(
+        "submit", "--nodes", "1", "--epochs", "1", str(JOBS / "seed_linear.yaml"), cwd=run_dir
+    )
     assert cold.returncode == 0 and "starting embedded Ray cluster" in cold.stdout
 
 
@@ -98,15 +131,26 @@ def test_a_stale_record_is_detected_removed_and_said(state_dir, tmp_path):
     """After a reboot the record names processes that are gone (or pids now used by others)."""
     state_dir.mkdir()
     me = os.getpid()
-    stale = {"address": "127.0.0.2:6379", "head_ip": "127.0.0.2", "nodes": 2, "cpus_per_node": 1,
-             "gpus_per_node": 0, "token": "x", "log_dir": str(tmp_path / "logs"), "temp_dirs": [],
-             "started_at": 0.0,
-             # this test's own pid with another start time: a reused pid must not be taken for a node
-             "leaders": {str(me): str(int(start_time(me)) - 1)}}
+    stale = {
+        "address": "127.0.0.2:6379",
+        "head_ip": "127.0.0.2",
+        "nodes": 2,
+        "cpus_per_node": 1,
+        "gpus_per_node": 0,
+        "token": "x",
+        "log_dir": str(tmp_path / "logs"),
+        "temp_dirs": [],
+        "started_at": 0.0,
+        # this test's own pid with another start time: a reused pid must not be taken for a node
+        "leaders": {str(me): str(int(start_time(me)) - 1)},
+    }
     (state_dir / warm.STATE_FILE_NAME).write_text(json.dumps(stale))
     result = run_rayapp("cluster", "status", cwd=tmp_path)
     assert result.returncode == 0
-    assert "removed a stale warm-cluster record" in result.stdout and "no warm cluster is running" in result.stdout
+    assert (
+        "removed a stale warm-cluster record" in result.stdout
+        and "no warm cluster is running" in result.stdout
+    )
     assert not (state_dir / warm.STATE_FILE_NAME).exists()
     assert alive(me)
 
@@ -125,7 +169,9 @@ def test_a_command_in_the_preloaded_driver_is_the_command(state_dir, tmp_path):
     assert record is not None and warm.preloaded_driver_socket() is not None
 
     # Bad input: the exit status and the one-line error come back through the command.
-    bad = run_rayapp("submit", "--nodes", "2", "--epochs", "0", "job.yaml", cwd=run_dir, env=unbuffered)
+    bad = run_rayapp(
+        "submit", "--nodes", "2", "--epochs", "0", "job.yaml", cwd=run_dir, env=unbuffered
+    )
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert bad.stderr == "rayapp: error: train.epochs: 0 is not accepted; use a whole number >= 1\n"
     missing = run_rayapp("submit", "--nodes", "2", "no-such-job.yaml", cwd=run_dir, env=unbuffered)
@@ -146,10 +192,14 @@ def test_a_command_in_the_preloaded_driver_is_the_command(state_dir, tmp_path):
             process.kill()
     assert process.returncode == 130, output[-3000:]
     assert "interrupted;" in output and "Traceback" not in output
-    assert children and not [pid for pid in children if alive(pid)], "the run's process outlived Ctrl-C"
+    assert children and not [pid for pid in children if alive(pid)], (
+        "the run's process outlived Ctrl-C"
+    )
     run = only_run(mlflow_client(run_dir))  # in the command's directory, not the driver's
     assert run.info.status == "KILLED"
-    assert warm.find() == record and warm.preloaded_driver_socket() is not None  # the driver serves on
+    assert (
+        warm.find() == record and warm.preloaded_driver_socket() is not None
+    )  # the driver serves on
 
 
 def test_a_warm_cluster_without_its_preloaded_driver(state_dir, tmp_path):

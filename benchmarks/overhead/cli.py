@@ -15,50 +15,100 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import benchmarks.overhead as package
 from benchmarks.median_interval import median_interval, verdict_at_most
-from benchmarks.overhead.common import PROG, TARGET_LOG_SHARE, TARGET_RATIO, StepFailed, console, fail
+from benchmarks.overhead.common import (
+    PROG,
+    TARGET_LOG_SHARE,
+    TARGET_RATIO,
+    StepFailed,
+    console,
+    fail,
+)
 from benchmarks.overhead.processes import become_subreaper
 from benchmarks.overhead.report import report
 from benchmarks.overhead.runs import intervals, run_pair, time_log_epoch
 
 
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=package.__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=6, help="epochs for both runs; the first is warm-up (default: %(default)s)")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROG}",
+        description=package.__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--job", default="jobs/mlp_synthetic.yaml", help="rayapp job YAML (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=6,
+        help="epochs for both runs; the first is warm-up (default: %(default)s)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="world size (default: %(default)s)")
-    parser.add_argument("--layout", choices=("one-node", "node-per-worker"), default="one-node",
-                        help="rayapp's workers on one embedded Ray node, one raylet and its daemons as on the one "
-                             "machine torchrun runs on; or one node each, Ray's per-node daemons once per worker, "
-                             "as W machines would run it (default: %(default)s)")
-    parser.add_argument("--one-node", dest="layout", action="store_const", const="one-node",
-                        help="the same as --layout one-node")
-    parser.add_argument("--baseline-comm-clock", choices=("none", "rayapp"), default="none",
-                        help="give the torchrun baseline rayapp's per-step comm clock, to separate what rayapp's "
-                             "comm timing costs from the rest (default: %(default)s)")
-    parser.add_argument("--pairs", type=int, default=1,
-                        help="torchrun/rayapp pairs to run, alternating which goes first; the ratio verdict uses a "
-                             "95%% interval for the median of the pairs' ratios, which needs 6 or more; on a "
-                             "machine whose speed drifts, 20-30 (default: %(default)s)")
-    parser.add_argument("--log-calls", type=int, default=20, help="timed MLflow log_epoch calls (default: %(default)s)")
-    parser.add_argument("--step-timeout", type=float, default=600, help="seconds each run may take (default: %(default)s)")
-    parser.add_argument("--wait-idle", type=float, default=0, metavar="S",
-                        help="before each run, wait up to S seconds for other processes to leave the cores alone "
-                             "(under a quarter of a core); 0 only checks and warns (default: %(default)s)")
+    parser.add_argument(
+        "--layout",
+        choices=("one-node", "node-per-worker"),
+        default="one-node",
+        help="rayapp's workers on one embedded Ray node, one raylet and its daemons as on the one "
+        "machine torchrun runs on; or one node each, Ray's per-node daemons once per worker, "
+        "as W machines would run it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--one-node",
+        dest="layout",
+        action="store_const",
+        const="one-node",
+        help="the same as --layout one-node",
+    )
+    parser.add_argument(
+        "--baseline-comm-clock",
+        choices=("none", "rayapp"),
+        default="none",
+        help="give the torchrun baseline rayapp's per-step comm clock, to separate what rayapp's "
+        "comm timing costs from the rest (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="torchrun/rayapp pairs to run, alternating which goes first; the ratio verdict uses a "
+        "95%% interval for the median of the pairs' ratios, which needs 6 or more; on a "
+        "machine whose speed drifts, 20-30 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-calls",
+        type=int,
+        default=20,
+        help="timed MLflow log_epoch calls (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=600,
+        help="seconds each run may take (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before each run, wait up to S seconds for other processes to leave the cores alone "
+        "(under a quarter of a core); 0 only checks and warns (default: %(default)s)",
+    )
     parser.add_argument("--json-out", help="write the figures to this JSON file")
-    parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory (logs, MLflow store)")
+    parser.add_argument(
+        "--keep-tmp", action="store_true", help="keep the temporary directory (logs, MLflow store)"
+    )
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    from rayapp.spec.loader import load_spec
     from rayapp.spec import SpecError
+    from rayapp.spec.loader import load_spec
 
     script_started = time.monotonic()
     become_subreaper()
@@ -69,19 +119,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
 
     if args.epochs < 2 or args.workers < 1 or args.log_calls < 1 or args.pairs < 1:
-        fail(f"need --epochs >= 2 (the first is warm-up), --workers >= 1, --log-calls >= 1 and --pairs >= 1; "
-             f"got --epochs {args.epochs} --workers {args.workers} --log-calls {args.log_calls} --pairs {args.pairs}")
+        fail(
+            f"need --epochs >= 2 (the first is warm-up), --workers >= 1, --log-calls >= 1 and --pairs >= 1; "
+            f"got --epochs {args.epochs} --workers {args.workers} --log-calls {args.log_calls} --pairs {args.pairs}"
+        )
         return 2
     args.job = str(Path(args.job).resolve())
     try:
         nodes = 1 if args.layout == "one-node" else args.workers
-        spec = load_spec(args.job, {"cluster.nodes": nodes, "cluster.workers_per_node": args.workers // nodes,
-                                    "train.epochs": args.epochs})
+        spec = load_spec(
+            args.job,
+            {
+                "cluster.nodes": nodes,
+                "cluster.workers_per_node": args.workers // nodes,
+                "train.epochs": args.epochs,
+            },
+        )
     except SpecError as exc:
         fail(str(exc))
         return 2
     if spec.train.strategy != "ddp":
-        fail(f"train.strategy {spec.train.strategy!r}: the torchrun baseline is plain DDP; use a ddp job")
+        fail(
+            f"train.strategy {spec.train.strategy!r}: the torchrun baseline is plain DDP; use a ddp job"
+        )
         return 2
 
     def interrupted(signum, frame):
@@ -98,8 +158,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             pair_dir.mkdir()
             pairs.append(run_pair(args, pair_dir, commands, spec, index))
         last = pairs[-1]
-        console.print(f"[bold]MLflow log_epoch cost[/bold] ({args.log_calls} calls, {last['tracking_uri']})")
-        log_cost = time_log_epoch(last["tracking_uri"], args.log_calls, last["rayapp"]["metrics_of_last_epoch"], last["dir"])
+        console.print(
+            f"[bold]MLflow log_epoch cost[/bold] ({args.log_calls} calls, {last['tracking_uri']})"
+        )
+        log_cost = time_log_epoch(
+            last["tracking_uri"],
+            args.log_calls,
+            last["rayapp"]["metrics_of_last_epoch"],
+            last["dir"],
+        )
     except StepFailed as exc:
         fail(str(exc))
         return 1
@@ -128,8 +195,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def collect_figures(args: argparse.Namespace, spec, pairs: list[dict], log_cost: dict, commands: list[str],
-                    script_started: float) -> dict:
+def collect_figures(
+    args: argparse.Namespace,
+    spec,
+    pairs: list[dict],
+    log_cost: dict,
+    commands: list[str],
+    script_started: float,
+) -> dict:
     """Every figure of the benchmark, as the report prints them and --json-out writes them: medians
     over the pairs, and the last pair's per-epoch lists and CPU split."""
     last = pairs[-1]
@@ -154,7 +227,10 @@ def collect_figures(args: argparse.Namespace, spec, pairs: list[dict], log_cost:
         "batch_size_per_worker": spec.batch_size_per_worker,
         "baseline_comm_clock": args.baseline_comm_clock,
         "cpus_per_worker": spec.cluster.cpus_per_worker,
-        "pairs": [{k: v for k, v in pair.items() if k not in ("torchrun", "rayapp", "dir")} for pair in pairs],
+        "pairs": [
+            {k: v for k, v in pair.items() if k not in ("torchrun", "rayapp", "dir")}
+            for pair in pairs
+        ],
         "torchrun_epoch_s": torchrun_epoch,
         "rayapp_epoch_s": rayapp_epoch,
         "ratio": ratio,
@@ -173,8 +249,12 @@ def collect_figures(args: argparse.Namespace, spec, pairs: list[dict], log_cost:
         # per pair, like the epoch figures: the last pair's walls against all pairs' epochs would mix two machines' speeds
         "torchrun_wall_s": statistics.median(pair["torchrun_wall_s"] for pair in pairs),
         "rayapp_wall_s": statistics.median(pair["rayapp_wall_s"] for pair in pairs),
-        "wall_ratio": statistics.median(pair["rayapp_wall_s"] / pair["torchrun_wall_s"] for pair in pairs),
-        "rayapp_wall_over_epoch_s": statistics.median(pair["rayapp_wall_s"] - pair["rayapp_epoch_s"] for pair in pairs),
+        "wall_ratio": statistics.median(
+            pair["rayapp_wall_s"] / pair["torchrun_wall_s"] for pair in pairs
+        ),
+        "rayapp_wall_over_epoch_s": statistics.median(
+            pair["rayapp_wall_s"] - pair["rayapp_epoch_s"] for pair in pairs
+        ),
         "torchrun_epochs": baseline["epoch_time_s"],
         "rayapp_epochs": rayapp["epoch_time_s"],
         "torchrun_walls": torchrun_walls,

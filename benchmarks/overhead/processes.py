@@ -31,7 +31,7 @@ def processes() -> dict[int, Proc]:
                 text = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            fields = text[text.rindex(")") + 2:].split()
+            fields = text[text.rindex(")") + 2 :].split()
             if fields[0] not in ("Z", "X"):
                 found[int(entry)] = Proc(int(entry), fields)
     return found
@@ -51,7 +51,13 @@ def descendants(root: int, table: dict[int, Proc]) -> list[Proc]:
 
 def command_line(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+            .strip()
+        )
     except OSError:
         return ""
 
@@ -87,7 +93,7 @@ def reap_orphans(keep: int) -> None:
                 text = (proc_dir / "stat").read_text()
             except OSError:
                 continue
-            fields = text[text.rindex(")") + 2:].split()
+            fields = text[text.rindex(")") + 2 :].split()
             if fields[0] == "Z" and int(fields[1]) == os.getpid():
                 try:
                     os.waitpid(int(proc_dir.name), os.WNOHANG)
@@ -109,9 +115,13 @@ def wait_until_idle(wait_s: float, threshold: float = 0.25) -> None:
     announced = False
     while (share := other_cpu_share()) > threshold:
         if time.monotonic() >= deadline:
-            console.print(f"[yellow]warning:[/yellow] other processes keep {share:.0%} of a core busy; they compete "
-                          "for the same cores and the figures will not be reliable")
+            console.print(
+                f"[yellow]warning:[/yellow] other processes keep {share:.0%} of a core busy; they compete "
+                "for the same cores and the figures will not be reliable"
+            )
             return
         if not announced:
-            console.print(f"other processes keep {share:.0%} of a core busy; waiting up to {wait_s:.0f}s for them to calm down")
+            console.print(
+                f"other processes keep {share:.0%} of a core busy; waiting up to {wait_s:.0f}s for them to calm down"
+            )
             announced = True

@@ -11,17 +11,22 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.overhead.common import (
+    BASELINE,
+    EXPERIMENT,
+    LOG_COST_EXPERIMENT,
+    RAY_PROCESSES,
+    REPO,
+    StepFailed,
+    console,
+)
+from benchmarks.overhead.processes import wait_until_idle
+from benchmarks.overhead.step import Step
 from rayapp.launch.cluster import free_port
 from rayapp.reports.tables import steady_median
 from rayapp.tracking.logger import RunLogger
 from rayapp.tracking.outbox import Record, deliver
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS, WRITE_COST_METRICS, close_run, open_run
-
-from benchmarks.overhead.common import (
-    BASELINE, EXPERIMENT, LOG_COST_EXPERIMENT, RAY_PROCESSES, REPO, StepFailed, console,
-)
-from benchmarks.overhead.processes import wait_until_idle
-from benchmarks.overhead.step import Step
 
 
 def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dict:
@@ -33,21 +38,34 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
     for position, side in enumerate(order, start=1):
         wait_until_idle(args.wait_idle)
         if side == "torchrun":
-            console.print(f"[bold]{label}{position}/2 torchrun[/bold] ({args.workers} processes, plain DDP)")
+            console.print(
+                f"[bold]{label}{position}/2 torchrun[/bold] ({args.workers} processes, plain DDP)"
+            )
             results["torchrun"], results["torchrun_step"] = run_torchrun(
-                args, pair_dir, commands if index == 0 else [], spec.cluster.cpus_per_worker)
+                args, pair_dir, commands if index == 0 else [], spec.cluster.cpus_per_worker
+            )
         else:
-            layout = (f"one embedded Ray node, {args.workers} workers" if args.layout == "one-node"
-                      else f"embedded {args.workers}-node Ray cluster")
+            layout = (
+                f"one embedded Ray node, {args.workers} workers"
+                if args.layout == "one-node"
+                else f"embedded {args.workers}-node Ray cluster"
+            )
             console.print(f"[bold]{label}{position}/2 rayapp submit[/bold] ({layout})")
-            tracking_uri, run_id, results["rayapp_step"] = run_rayapp(args, pair_dir, commands if index == 0 else [])
+            tracking_uri, run_id, results["rayapp_step"] = run_rayapp(
+                args, pair_dir, commands if index == 0 else []
+            )
             results["tracking_uri"] = tracking_uri
             results["rayapp"] = read_rayapp_run(tracking_uri, run_id, args.epochs)
     baseline, rayapp = results["torchrun"], results["rayapp"]
-    torchrun_epoch, rayapp_epoch = steady_median(baseline["epoch_time_s"]), steady_median(rayapp["epoch_time_s"])
+    torchrun_epoch, rayapp_epoch = (
+        steady_median(baseline["epoch_time_s"]),
+        steady_median(rayapp["epoch_time_s"]),
+    )
     if args.pairs > 1:
-        console.print(f"{label}torchrun {torchrun_epoch:.4f} s, rayapp {rayapp_epoch:.4f} s, "
-                      f"ratio {rayapp_epoch / torchrun_epoch:.3f}")
+        console.print(
+            f"{label}torchrun {torchrun_epoch:.4f} s, rayapp {rayapp_epoch:.4f} s, "
+            f"ratio {rayapp_epoch / torchrun_epoch:.3f}"
+        )
     return {
         "dir": pair_dir,
         "first": order[0],
@@ -61,18 +79,27 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
         "rayapp_wall_s": statistics.median(intervals(rayapp["logged_at_s"])),
         "max_loss_diff": max(abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"])),
         **write_cost(rayapp, args.epochs),
-        "cpu_during_torchrun": cpu_note(results["torchrun_step"], (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1])),
-        "cpu_during_rayapp": cpu_note(results["rayapp_step"], (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1])),
+        "cpu_during_torchrun": cpu_note(
+            results["torchrun_step"],
+            (baseline["epoch_end_unix"][0], baseline["epoch_end_unix"][-1]),
+        ),
+        "cpu_during_rayapp": cpu_note(
+            results["rayapp_step"], (rayapp["logged_at_s"][0], rayapp["logged_at_s"][-1])
+        ),
     }
 
 
 def write_cost(rayapp: dict, epochs: int) -> dict:
     """What rank 0's MLflow writes cost in the run itself, from the metrics it logs about them
     (rayapp.tracking.run.WRITE_COST_METRICS), as shares of its training loop's time."""
-    write_s, write_cpu_s, writes = WRITE_COST_METRICS  # mlflow_write_s, mlflow_write_cpu_s, mlflow_writes
+    write_s, write_cpu_s, writes = (
+        WRITE_COST_METRICS  # mlflow_write_s, mlflow_write_cpu_s, mlflow_writes
+    )
     logged = rayapp["metrics_of_last_epoch"]
     if write_s not in logged:
-        raise StepFailed(f"rayapp's run {rayapp['run_id']} has no {write_s} metric; this rayapp does not measure its writes")
+        raise StepFailed(
+            f"rayapp's run {rayapp['run_id']} has no {write_s} metric; this rayapp does not measure its writes"
+        )
     loop_s = rayapp["total_time_s"]
     return {
         "log_share": logged[write_s] / loop_s,
@@ -88,8 +115,11 @@ def intervals(points: list[float]) -> list[float]:
 
 def shown(command: list[str], env: dict) -> str:
     """The command as a person would retype it, with any Ray / torch / OMP settings it inherits."""
-    settings = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
-                if k.startswith(("RAY_", "TORCH_", "OMP_", "MLFLOW_")) and k != "RAY_USAGE_STATS_ENABLED"]
+    settings = [
+        f"{k}={shlex.quote(v)}"
+        for k, v in sorted(env.items())
+        if k.startswith(("RAY_", "TORCH_", "OMP_", "MLFLOW_")) and k != "RAY_USAGE_STATS_ENABLED"
+    ]
     return " ".join([*settings, shlex.join(command)])
 
 
@@ -121,8 +151,10 @@ def cpu_note(step: Step, window: tuple[float, float]) -> dict:
     the figures."""
     share = step.others_share(*window)
     if share is not None and share > 0.1:
-        console.print(f"[yellow]warning:[/yellow] other processes kept {share:.0%} of a core busy during {step.name}'s "
-                      "steady-state epochs; its figures are skewed")
+        console.print(
+            f"[yellow]warning:[/yellow] other processes kept {share:.0%} of a core busy during {step.name}'s "
+            "steady-state epochs; its figures are skewed"
+        )
     return {
         "wall_s": step.wall_s,
         "own_cpu_s": step.cpu_by_kind(),
@@ -135,11 +167,24 @@ def cpu_note(step: Step, window: tuple[float, float]) -> dict:
 def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> tuple[dict, Step]:
     out = tmp / "torchrun.json"
     torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    launcher = (
+        [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    )
     command = [
-        *launcher, "--nproc-per-node", str(args.workers), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), str(BASELINE.relative_to(REPO)),
-        "--job", args.job, "--epochs", str(args.epochs), "--out", str(out),
+        *launcher,
+        "--nproc-per-node",
+        str(args.workers),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(BASELINE.relative_to(REPO)),
+        "--job",
+        args.job,
+        "--epochs",
+        str(args.epochs),
+        "--out",
+        str(out),
         *(["--comm-clock", args.baseline_comm_clock] if args.baseline_comm_clock != "none" else []),
     ]
     env = child_env()
@@ -147,8 +192,14 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
         # torchrun sets 1 only when it starts several processes; Ray sets the worker's CPUs: match Ray.
         env["OMP_NUM_THREADS"] = str(cpus_per_worker)
     commands.append(shown(command, env))
-    step = Step("torchrun", command, env=env, log_path=tmp / "torchrun.log", timeout_s=args.step_timeout,
-                classify=classify_torchrun)
+    step = Step(
+        "torchrun",
+        command,
+        env=env,
+        log_path=tmp / "torchrun.log",
+        timeout_s=args.step_timeout,
+        classify=classify_torchrun,
+    )
     try:
         step.run()
     except StepFailed:
@@ -158,15 +209,19 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
         # before destroy_process_group keeps that from happening, this keeps a stray one from costing a run.
         if not out.exists() or step.process is None or step.process.returncode in (None, 0):
             raise
-        console.print(f"[yellow]warning:[/yellow] torchrun exited with code {step.process.returncode} after "
-                      f"writing its results (a teardown abort at exit; log: {step.log_path}); the results are complete")
+        console.print(
+            f"[yellow]warning:[/yellow] torchrun exited with code {step.process.returncode} after "
+            f"writing its results (a teardown abort at exit; log: {step.log_path}); the results are complete"
+        )
     if not out.exists():
         raise StepFailed(f"torchrun finished but wrote no results to {out}")
     result = json.loads(out.read_text())
     threads = {t["torch_threads"] for t in result["threads_per_rank"]}
     if threads != {cpus_per_worker}:
-        console.print(f"[yellow]warning:[/yellow] torchrun workers ran {sorted(threads)} torch threads, "
-                      f"rayapp's workers run {cpus_per_worker}; the comparison is not like for like")
+        console.print(
+            f"[yellow]warning:[/yellow] torchrun workers ran {sorted(threads)} torch threads, "
+            f"rayapp's workers run {cpus_per_worker}; the comparison is not like for like"
+        )
     return result, step
 
 
@@ -181,13 +236,32 @@ def rayapp_layout(args) -> list[str]:
 def run_rayapp(args, tmp: Path, commands: list[str]) -> tuple[str, str, Step]:
     tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
     command = [
-        sys.executable, "-m", "rayapp", "submit", *rayapp_layout(args),
-        "--backend", "gloo", "--epochs", str(args.epochs), args.job,
-        "--experiment", EXPERIMENT, "--tracking-uri", tracking_uri, "--storage-path", str(tmp / "results"),
+        sys.executable,
+        "-m",
+        "rayapp",
+        "submit",
+        *rayapp_layout(args),
+        "--backend",
+        "gloo",
+        "--epochs",
+        str(args.epochs),
+        args.job,
+        "--experiment",
+        EXPERIMENT,
+        "--tracking-uri",
+        tracking_uri,
+        "--storage-path",
+        str(tmp / "results"),
     ]
     commands.append(shown(command, child_env()))
-    step = Step("rayapp", command, env=child_env(), log_path=tmp / "rayapp.log", timeout_s=args.step_timeout,
-                classify=classify_rayapp)
+    step = Step(
+        "rayapp",
+        command,
+        env=child_env(),
+        log_path=tmp / "rayapp.log",
+        timeout_s=args.step_timeout,
+        classify=classify_rayapp,
+    )
     output = step.run()
     match = re.search(r"MLflow run\s+([0-9a-f]{32})", output)
     if match:
@@ -213,7 +287,9 @@ def read_rayapp_run(tracking_uri: str, run_id: str, epochs: int) -> dict:
     for key in ("epoch_time_s", "loss"):
         metrics = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
         if [m.step for m in metrics] != list(range(epochs)):
-            raise StepFailed(f"rayapp's run {run_id} has {key} for steps {[m.step for m in metrics]}, expected 0..{epochs - 1}")
+            raise StepFailed(
+                f"rayapp's run {run_id} has {key} for steps {[m.step for m in metrics]}, expected 0..{epochs - 1}"
+            )
         history[key] = metrics
     return {
         "run_id": run_id,
@@ -227,7 +303,9 @@ def read_rayapp_run(tracking_uri: str, run_id: str, epochs: int) -> dict:
     }
 
 
-def time_log_epoch(tracking_uri: str, calls: int, sample: dict, tmp: Path) -> dict[str, list[float]]:
+def time_log_epoch(
+    tracking_uri: str, calls: int, sample: dict, tmp: Path
+) -> dict[str, list[float]]:
     """What rank 0 spends per epoch on MLflow, against a fresh run in the same SQLite store.
 
     `call`: the `RunLogger.log_epoch` call in the training loop. `write`: the MLflow write itself.
@@ -237,12 +315,19 @@ def time_log_epoch(tracking_uri: str, calls: int, sample: dict, tmp: Path) -> di
     from mlflow.tracking import MlflowClient
 
     def new_run(name: str) -> str:
-        return open_run(tracking_uri=tracking_uri, experiment=LOG_COST_EXPERIMENT, run_name=name,
-                        params={"calls": str(calls)}, tags={})
+        return open_run(
+            tracking_uri=tracking_uri,
+            experiment=LOG_COST_EXPERIMENT,
+            run_name=name,
+            params={"calls": str(calls)},
+            tags={},
+        )
 
     metrics = {key: float(sample.get(key, 1.0)) for key in EPOCH_METRICS}
     run_id = new_run("log-epoch-call")
-    logger = RunLogger(tracking_uri, run_id, fallback_path=str(tmp / "logcost.mlflow-fallback.jsonl"))
+    logger = RunLogger(
+        tracking_uri, run_id, fallback_path=str(tmp / "logcost.mlflow-fallback.jsonl")
+    )
     logger.set_tags({TAG_ATTEMPTS: "1"})  # rank 0 has used its logger before its first epoch
     logger.log_epoch(0, metrics)
     call = []

@@ -8,13 +8,12 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
-
-from rayapp.launch.cluster import start_time
 
 from benchmarks.overhead.common import REPO, StepFailed, console
 from benchmarks.overhead.processes import Proc, command_line, descendants, processes, reap_orphans
+from rayapp.launch.cluster import start_time
 
 
 class Step:
@@ -28,13 +27,27 @@ class Step:
 
     POLL_S = 1.0
 
-    def __init__(self, name: str, command: list[str], *, env: dict, log_path: Path, timeout_s: float,
-                 classify: Callable[[str], str]) -> None:
-        self.name, self.command, self.env, self.log_path, self.timeout_s = name, command, env, log_path, timeout_s
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        *,
+        env: dict,
+        log_path: Path,
+        timeout_s: float,
+        classify: Callable[[str], str],
+    ) -> None:
+        self.name, self.command, self.env, self.log_path, self.timeout_s = (
+            name,
+            command,
+            env,
+            log_path,
+            timeout_s,
+        )
         self.classify = classify
         self.seen: dict[tuple[int, str], Proc] = {}
         self.commands: dict[tuple[int, str], str] = {}
-        self.process: Optional[subprocess.Popen] = None
+        self.process: subprocess.Popen | None = None
         self.output: list[str] = []
         self.wall_s = self.foreign_cpu_s = 0.0
         self._before: dict[int, Proc] = {}
@@ -61,7 +74,9 @@ class Step:
                 baseline = earlier.cpu_s if earlier and earlier.start == proc.start else 0.0
                 self._others.setdefault((pid, proc.start), [baseline, 0.0])[1] = proc.cpu_s
         now = time.time()
-        self.others_timeline.append((now, sum(latest - base for base, latest in self._others.values())))
+        self.others_timeline.append(
+            (now, sum(latest - base for base, latest in self._others.values()))
+        )
         by_kind: dict[str, float] = {}
         for key, proc in self.seen.items():
             kind = self.classify(self.commands.get(key, ""))
@@ -69,7 +84,7 @@ class Step:
         self.own_timeline.append((now, by_kind))
         return table
 
-    def others_share(self, start: float, end: float) -> Optional[float]:
+    def others_share(self, start: float, end: float) -> float | None:
         """Cores' worth of CPU other processes used between two wall-clock times (poll resolution)."""
         span = _span(self.others_timeline, start, end)
         return None if span is None else (span[1][1] - span[0][1]) / (span[1][0] - span[0][0])
@@ -86,8 +101,14 @@ class Step:
         self._before, started = processes(), time.monotonic()
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                self.command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                self.command,
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
             )
             reader = threading.Thread(target=self._pump, args=(log,), daemon=True)
             reader.start()
@@ -96,7 +117,9 @@ class Step:
                 while self.process.poll() is None:
                     self._observe()
                     if time.monotonic() > deadline:
-                        raise StepFailed(f"{self.name} did not finish within {self.timeout_s:.0f}s (log: {self.log_path})")
+                        raise StepFailed(
+                            f"{self.name} did not finish within {self.timeout_s:.0f}s (log: {self.log_path})"
+                        )
                     time.sleep(self.POLL_S)
             except BaseException:
                 self.stop()
@@ -108,14 +131,19 @@ class Step:
         self.foreign_cpu_s = self.others_timeline[-1][1]
         self._finish(announce=True)
         if self.process.returncode != 0:
-            raise StepFailed(f"{self.name} exited with code {self.process.returncode} (log: {self.log_path})")
+            raise StepFailed(
+                f"{self.name} exited with code {self.process.returncode} (log: {self.log_path})"
+            )
         return "".join(self.output)
 
     def cpu_by_kind(self) -> dict[str, dict]:
         """CPU seconds (as last seen) and niceness of the step's processes, grouped by kind of process."""
         groups: dict[str, dict] = {}
         for key, proc in self.seen.items():
-            group = groups.setdefault(self.classify(self.commands.get(key, "")), {"processes": 0, "cpu_s": 0.0, "nice": set()})
+            group = groups.setdefault(
+                self.classify(self.commands.get(key, "")),
+                {"processes": 0, "cpu_s": 0.0, "nice": set()},
+            )
             group["processes"] += 1
             group["cpu_s"] += proc.cpu_s
             group["nice"].add(proc.nice)
@@ -137,7 +165,9 @@ class Step:
         if self.process is None:
             return
         self._echo = False  # its shutdown noise goes to the log file only
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        previous = signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a second Ctrl-C must not cut the clean-up short
         try:
             self._stop()
         finally:
@@ -165,8 +195,10 @@ class Step:
                 break
             if attempt == 10:
                 if announce:
-                    console.print(f"[yellow]warning:[/yellow] {self.name} left {len(alive)} process(es) running; "
-                                  "stopping them:")
+                    console.print(
+                        f"[yellow]warning:[/yellow] {self.name} left {len(alive)} process(es) running; "
+                        "stopping them:"
+                    )
                     for pid in alive:
                         console.print(f"  {pid} {command_line(pid)[:100]}", markup=False)
                 self._kill(alive)
@@ -188,7 +220,7 @@ class Step:
                 pass
 
 
-def _span(timeline: list, start: float, end: float) -> Optional[tuple]:
+def _span(timeline: list, start: float, end: float) -> tuple | None:
     """The last poll at or before start and the first at or after end: the smallest span of polls
     that covers [start, end]; None when the polls do not cover it."""
     before = [point for point in timeline if point[0] <= start]

@@ -62,7 +62,10 @@ def main() -> None:
         dist.all_reduce(loss_sum)  # the mean over ranks, as every rank sees it
         epoch_loss = loss_sum.item() / (args.steps * dist.get_world_size())
         if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.5f}  {time.perf_counter() - started:.2f}s", flush=True)
+            print(
+                f"epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.5f}  {time.perf_counter() - started:.2f}s",
+                flush=True,
+            )
             if log:
                 log("loss", epoch_loss, epoch)
     dist.destroy_process_group()

@@ -26,7 +26,7 @@ class ByteWindows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.block_size
-        window = self.data[start:start + self.block_size + 1].long()
+        window = self.data[start : start + self.block_size + 1].long()
         return window[:-1], window[1:]
 
 

@@ -34,8 +34,13 @@ class CausalSelfAttention(nn.Module):
         batch, time, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (batch, heads, time, head size): attention runs per head
-        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
+            for t in (q, k, v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).contiguous().view(batch, time, channels))
 
 

@@ -14,10 +14,9 @@ import math
 import time
 
 import torch
-from torch.nn import functional as F
-
 from corpus import load
 from gpt import CharGPT, GPTConfig
+from torch.nn import functional as F
 
 
 def cosine_with_warmup(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -28,7 +27,9 @@ def cosine_with_warmup(step: int, *, warmup: int, total: int, min_ratio: float =
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def next_byte_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def next_byte_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     logits = model(inputs)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
@@ -53,19 +54,31 @@ def train_loop(ctx) -> None:
     torch.manual_seed(ctx.spec.train.seed)  # the same initial weights on every rank
 
     # -- set-up: data, model, optimizer, schedule
-    train_set, val_set = load(max_bytes=int(args["corpus_bytes"]), block_size=int(args["block_size"]))
+    train_set, val_set = load(
+        max_bytes=int(args["corpus_bytes"]), block_size=int(args["block_size"])
+    )
     train_loader = ctx.loader(train_set)
     val_loader = ctx.loader(val_set, shuffle=False)
-    config = GPTConfig(block_size=int(args["block_size"]), n_layer=int(args["n_layer"]), n_head=int(args["n_head"]),
-                       n_embd=int(args["n_embd"]), dropout=float(args.get("dropout", 0.0)))
+    config = GPTConfig(
+        block_size=int(args["block_size"]),
+        n_layer=int(args["n_layer"]),
+        n_head=int(args["n_head"]),
+        n_embd=int(args["n_embd"]),
+        dropout=float(args.get("dropout", 0.0)),
+    )
     model = ctx.prepare(CharGPT(config))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.spec.train.lr, betas=(0.9, 0.95),
-                                  weight_decay=float(args.get("weight_decay", 0.1)))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=ctx.spec.train.lr,
+        betas=(0.9, 0.95),
+        weight_decay=float(args.get("weight_decay", 0.1)),
+    )
     steps_per_epoch = len(train_loader) // ctx.spec.train.grad_accum_steps
     total_steps = steps_per_epoch * ctx.spec.train.epochs
     warmup = max(1, int(total_steps * float(args.get("warmup_fraction", 0.05))))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_with_warmup(step, warmup=warmup, total=total_steps))
+        optimizer, lambda step: cosine_with_warmup(step, warmup=warmup, total=total_steps)
+    )
     tokens_per_batch = train_loader.batch_size * config.block_size * ctx.world_size
 
     # -- the epoch loop: epochs done before a restart are skipped, the schedule resumes with them
@@ -82,9 +95,13 @@ def train_loop(ctx) -> None:
             steps += 1
         train_s = time.perf_counter() - started
 
-        ctx.log_epoch({
-            "loss": ctx.mean(loss_sum / max(steps, 1)),
-            "val_loss": validation_loss(ctx, model, val_loader, int(args.get("val_batches", 20))),
-            "tokens_per_s": steps * tokens_per_batch / train_s,
-            "lr": schedule.get_last_lr()[0],
-        })
+        ctx.log_epoch(
+            {
+                "loss": ctx.mean(loss_sum / max(steps, 1)),
+                "val_loss": validation_loss(
+                    ctx, model, val_loader, int(args.get("val_batches", 20))
+                ),
+                "tokens_per_s": steps * tokens_per_batch / train_s,
+                "lr": schedule.get_last_lr()[0],
+            }
+        )

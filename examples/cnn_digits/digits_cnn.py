@@ -9,7 +9,9 @@ from __future__ import annotations
 from torch import nn
 
 
-def build(channels: int = 32, hidden: int = 128, classes: int = 10, dropout: float = 0.1) -> nn.Module:
+def build(
+    channels: int = 32, hidden: int = 128, classes: int = 10, dropout: float = 0.1
+) -> nn.Module:
     """Two 3x3 convolutions, one 2x2 pooling, two linear layers: 1x8x8 in, `classes` logits out."""
     return nn.Sequential(
         nn.Conv2d(1, channels // 2, kernel_size=3, padding=1),

@@ -23,6 +23,16 @@ def main() -> None:
     """
 
 
-for command in (submit.submit, submit.bench, runs.runs, runs.compare, runs.ui, runs.import_metrics,
-                jobs.status, jobs.logs, jobs.stop, cluster.cluster):
+for command in (
+    submit.submit,
+    submit.bench,
+    runs.runs,
+    runs.compare,
+    runs.ui,
+    runs.import_metrics,
+    jobs.status,
+    jobs.logs,
+    jobs.stop,
+    cluster.cluster,
+):
     main.add_command(command)

@@ -10,7 +10,6 @@ import click
 from rayapp.cli.common import CONTEXT_SETTINGS, friendly_errors
 from rayapp.cli.flags import shared_option
 
-
 _ENVIRONMENT_AT_START = dict(os.environ)
 """The user's environment, before connecting to Ray adds its auth settings to os.environ: the
 preloaded driver serves commands whose environment matches the one it was started in."""
@@ -37,13 +36,27 @@ def cluster() -> None:
 
 
 @cluster.command(context_settings=CONTEXT_SETTINGS)
-@shared_option("--nodes", type=int, default=2, show_default=True,
-               help="Nodes to start: one raylet each, on 127.0.0.2, 127.0.0.3, ...")
-@click.option("--cpus-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPUs each node offers to training workers.")
-@click.option("--preloaded-driver/--no-preloaded-driver", default=True, show_default=True,
-              help="Keep a process with torch, Ray Train and MLflow imported for submits and benches to "
-                   "start in (about 0.5 GiB; saves their imports, 3.5 s of each command on 2 cores).")
+@shared_option(
+    "--nodes",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Nodes to start: one raylet each, on 127.0.0.2, 127.0.0.3, ...",
+)
+@click.option(
+    "--cpus-per-node",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="CPUs each node offers to training workers.",
+)
+@click.option(
+    "--preloaded-driver/--no-preloaded-driver",
+    default=True,
+    show_default=True,
+    help="Keep a process with torch, Ray Train and MLflow imported for submits and benches to "
+    "start in (about 0.5 GiB; saves their imports, 3.5 s of each command on 2 cores).",
+)
 @friendly_errors
 def up(nodes: int, cpus_per_node: int, preloaded_driver: bool) -> None:
     """Start the warm cluster (exit 1 if one runs already)."""
@@ -91,7 +104,9 @@ def status() -> None:
     _say(f"warm cluster: {record.describe()}")
     _say(f"node processes: {', '.join(str(pid) for pid in record.leaders)}; logs: {record.log_dir}")
     if warm.preloaded_driver_socket() is not None:
-        _say(f"preloaded driver: process {', '.join(str(pid) for pid in record.driver)}, socket {warm.driver_socket()}")
+        _say(
+            f"preloaded driver: process {', '.join(str(pid) for pid in record.driver)}, socket {warm.driver_socket()}"
+        )
     else:
         _say("preloaded driver: not running (submits start their own)")
 

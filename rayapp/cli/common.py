@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -37,7 +38,10 @@ def friendly_errors(command: Callable) -> Callable:
         except RayappError as exc:
             fail(str(exc), EXIT_FAILED)
         except Terminated as exc:
-            fail(f"terminated by {exc}; training stopped and the MLflow run marked KILLED", exc.exit_code)
+            fail(
+                f"terminated by {exc}; training stopped and the MLflow run marked KILLED",
+                exc.exit_code,
+            )
         except KeyboardInterrupt:
             fail("interrupted; training stopped and the MLflow run marked KILLED", EXIT_INTERRUPTED)
 
@@ -48,6 +52,8 @@ def quiet_library_logs() -> None:
     """MLflow announces database migrations and Ray its connections at INFO; a person needs neither."""
     import logging
 
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
+    os.environ.setdefault(
+        "MLFLOW_LOGGING_LEVEL", "WARNING"
+    )  # read when mlflow configures its loggers
     for name in ("mlflow", "alembic", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)

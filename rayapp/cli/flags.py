@@ -4,7 +4,7 @@ declared here and applied by name, so each has one spelling and one help text.""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import click
 
@@ -53,6 +53,9 @@ def dashboard_address_option(command: Callable) -> Callable:
 
 def schedule_timeout_option(command: Callable) -> Callable:
     return click.option(
-        "--schedule-timeout", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        "--schedule-timeout",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        show_default=True,
         help="Seconds to wait for the cluster to have enough nodes (autoscaling) before failing.",
     )(command)

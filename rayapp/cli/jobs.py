@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any
 
 import click
 
@@ -32,16 +32,24 @@ from rayapp.launch.jobs_api import (
 )
 from rayapp.spec import JobSpec
 
-STATUS_COLOURS = {"SUCCEEDED": "green", "FAILED": "red", "STOPPED": "yellow", "RUNNING": "cyan", "PENDING": "blue"}
+STATUS_COLOURS = {
+    "SUCCEEDED": "green",
+    "FAILED": "red",
+    "STOPPED": "yellow",
+    "RUNNING": "cyan",
+    "PENDING": "blue",
+}
 
 
-def _when(ms: Optional[int], short: bool = False) -> str:
+def _when(ms: int | None, short: bool = False) -> str:
     if not ms:
         return "-"
-    return datetime.fromtimestamp(ms / 1000).strftime("%m-%d %H:%M:%S" if short else "%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(ms / 1000).strftime(
+        "%m-%d %H:%M:%S" if short else "%Y-%m-%d %H:%M:%S"
+    )
 
 
-def _duration(start_ms: Optional[int], end_ms: Optional[int]) -> str:
+def _duration(start_ms: int | None, end_ms: int | None) -> str:
     if not start_ms:
         return "-"
     seconds = ((end_ms or datetime.now().timestamp() * 1000) - start_ms) / 1000
@@ -53,9 +61,11 @@ def _duration(start_ms: Optional[int], end_ms: Optional[int]) -> str:
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id", required=False)
 @dashboard_address_option
-@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Jobs to list.")
+@click.option(
+    "-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Jobs to list."
+)
 @friendly_errors
-def status(submission_id: Optional[str], address: str, limit: int) -> None:
+def status(submission_id: str | None, address: str, limit: int) -> None:
     """Status of a submitted job, or a table of the cluster's recent jobs.
 
     \b
@@ -74,14 +84,20 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
     if submission_id:
         info = job_info(client, submission_id, address)
         state = str(info.status)
-        console.print(f"job [bold]{submission_id}[/bold]: [{STATUS_COLOURS.get(state, 'white')}]{state}[/]")
+        console.print(
+            f"job [bold]{submission_id}[/bold]: [{STATUS_COLOURS.get(state, 'white')}]{state}[/]"
+        )
         if info.message:
             console.print(f"  message:    {one_line(info.message)}", markup=False)
-        console.print(f"  started:    {_when(info.start_time)}   ended: {_when(info.end_time)}   "
-                      f"({_duration(info.start_time, info.end_time)})")
+        console.print(
+            f"  started:    {_when(info.start_time)}   ended: {_when(info.end_time)}   "
+            f"({_duration(info.start_time, info.end_time)})"
+        )
         console.print(f"  entrypoint: {info.entrypoint}", markup=False)
         if state in ("PENDING", "RUNNING"):
-            console.print(f"  follow:     rayapp logs {submission_id} -f --address {address}", markup=False)
+            console.print(
+                f"  follow:     rayapp logs {submission_id} -f --address {address}", markup=False
+            )
         return
     jobs = list_submissions(client, address)[:limit]
     if not jobs:
@@ -90,7 +106,9 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
     if not console.is_terminal:  # piped into grep or a file: one whole line per job
         console = Console(highlight=False, width=max(console.width, 200))
     table = Table(title=f"jobs on {address}", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("submission id", no_wrap=True, min_width=max(len(job.submission_id) for job in jobs))
+    table.add_column(
+        "submission id", no_wrap=True, min_width=max(len(job.submission_id) for job in jobs)
+    )
     table.add_column("status", no_wrap=True, min_width=9)
     table.add_column("start", no_wrap=True, min_width=14)
     table.add_column("end", no_wrap=True, min_width=14)
@@ -109,7 +127,12 @@ def status(submission_id: Optional[str], address: str, limit: int) -> None:
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id")
-@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends (Ctrl-C stops following, not the job).")
+@click.option(
+    "-f",
+    "--follow",
+    is_flag=True,
+    help="Keep streaming until the job ends (Ctrl-C stops following, not the job).",
+)
 @dashboard_address_option
 @friendly_errors
 def logs(submission_id: str, follow: bool, address: str) -> None:
@@ -128,15 +151,22 @@ def logs(submission_id: str, follow: bool, address: str) -> None:
     try:
         stream_logs(client, submission_id, address, _write)
     except KeyboardInterrupt:
-        click.echo(f"\nstopped following; job {submission_id} is not affected (rayapp stop {submission_id} stops it)")
+        click.echo(
+            f"\nstopped following; job {submission_id} is not affected (rayapp stop {submission_id} stops it)"
+        )
         sys.exit(EXIT_INTERRUPTED)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("submission_id")
 @dashboard_address_option
-@click.option("--timeout", type=click.FloatRange(min=1), default=STOP_TIMEOUT_S, show_default=True,
-              help="Seconds to wait for the job to be STOPPED.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=STOP_TIMEOUT_S,
+    show_default=True,
+    help="Seconds to wait for the job to be STOPPED.",
+)
 @friendly_errors
 def stop(submission_id: str, address: str, timeout: float) -> None:
     """Stop a submitted job and wait until it is STOPPED.
@@ -163,20 +193,30 @@ def stop(submission_id: str, address: str, timeout: float) -> None:
 # ---- a submission through the Jobs API, followed from this terminal ---------------------
 
 
-def submit_remote(spec: JobSpec, *, job_yaml: Optional[str], detach: bool, schedule_timeout_s: float) -> int:
+def submit_remote(
+    spec: JobSpec, *, job_yaml: str | None, detach: bool, schedule_timeout_s: float
+) -> int:
     """Submit `spec` to the Jobs API at spec.cluster.address, then follow it; returns the exit code."""
     from rayapp.launch import remote_job
 
     try:
-        submission = remote_job.submit(spec, job_yaml=job_yaml, schedule_timeout_s=schedule_timeout_s)
+        submission = remote_job.submit(
+            spec, job_yaml=job_yaml, schedule_timeout_s=schedule_timeout_s
+        )
     except KeyboardInterrupt:
-        click.secho("rayapp: error: interrupted while submitting; the job may have been submitted: "
-                    f"rayapp status --address {spec.cluster.address}", err=True, fg="red")
+        click.secho(
+            "rayapp: error: interrupted while submitting; the job may have been submitted: "
+            f"rayapp status --address {spec.cluster.address}",
+            err=True,
+            fg="red",
+        )
         return EXIT_INTERRUPTED
     submission_id, address = submission.submission_id, submission.address
     click.secho(f"submitted {submission_id} to {address}", bold=True)
-    click.echo(f"  job {spec.name!r}: {spec.world_size} worker(s) on {spec.cluster.nodes} node(s); "
-               f"MLflow: {submission.tracking_uri}")
+    click.echo(
+        f"  job {spec.name!r}: {spec.world_size} worker(s) on {spec.cluster.nodes} node(s); "
+        f"MLflow: {submission.tracking_uri}"
+    )
     if submission.code_from:
         click.echo(f"  code: {submission.code_from} went with the job")
     if "://" not in spec.cluster.storage_path:
@@ -217,7 +257,8 @@ def follow(client: Any, submission_id: str, address: str) -> int:
         click.secho(
             f"rayapp: error: the log stream ended while job {submission_id} is still {status}; "
             f"follow it with rayapp logs {submission_id} -f --address {address}",
-            err=True, fg="red",
+            err=True,
+            fg="red",
         )
         return 1
     # Ray appends the driver's last output to the message; it has just been streamed above.
@@ -231,7 +272,9 @@ def on_interrupt(client: Any, submission_id: str, address: str) -> int:
     """Ctrl-C while following a job: stop it, or leave it running (the default)."""
     click.echo("")
     if not sys.stdin.isatty():
-        click.echo(f"interrupted; no terminal to ask whether to stop it, so job {submission_id} keeps running (detached)")
+        click.echo(
+            f"interrupted; no terminal to ask whether to stop it, so job {submission_id} keeps running (detached)"
+        )
         print_follow_commands(submission_id, address)
         return 0
     try:
@@ -250,10 +293,9 @@ def on_interrupt(client: Any, submission_id: str, address: str) -> int:
     try:
         status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
     except KeyboardInterrupt:
-        click.echo(f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}")
+        click.echo(
+            f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}"
+        )
         return EXIT_INTERRUPTED
     click.echo(f"job {submission_id} {status}")
     return EXIT_INTERRUPTED
-
-
-

@@ -32,8 +32,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 PRELOAD = (
     # What a submit or bench imports before its job reaches Ray, slowest first (python -X importtime).
@@ -45,8 +45,21 @@ PRELOAD = (
     "ray.dag.compiled_dag_node",
     "rayapp.cli.app",
 )
-IMPORT_TIME_ENV_PREFIXES = ("RAY_", "TORCH", "PYTORCH_", "CUDA", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_",
-                            "OPENBLAS_", "PYTHON", "LD_", "SQLALCHEMY")
+IMPORT_TIME_ENV_PREFIXES = (
+    "RAY_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA",
+    "NCCL_",
+    "GLOO_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "PYTHON",
+    "LD_",
+    "SQLALCHEMY",
+)
 """Variables the preloaded libraries (or Python) may read once, when imported: a child forked from
 the server would see the server's values in them, not the command's. (MLflow reads its own when used.)"""
 STREAM_ENV = ("PYTHONUNBUFFERED", "PYTHONIOENCODING")
@@ -65,9 +78,14 @@ def start(socket_path: Path, log_path: Path, env: dict[str, str]) -> int:
     :func:`wait_ready` waits for its socket."""
     socket_path.unlink(missing_ok=True)
     with open(log_path, "a") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rayapp.cli.preloaded_server", str(socket_path)],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=env)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rayapp.cli.preloaded_server", str(socket_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     return process.pid
 
 
@@ -84,11 +102,16 @@ def wait_ready(socket_path: Path, pid: int, timeout_s: float = START_TIMEOUT_S) 
 
 
 def interpreter_identity() -> dict:
-    return {"executable": os.path.realpath(sys.executable), "version": sys.version, "flags": list(sys.flags),
-            "warnoptions": sys.warnoptions, "xoptions": sorted(map(str, sys._xoptions.items()))}
+    return {
+        "executable": os.path.realpath(sys.executable),
+        "version": sys.version,
+        "flags": list(sys.flags),
+        "warnoptions": sys.warnoptions,
+        "xoptions": sorted(map(str, sys._xoptions.items())),
+    }
 
 
-def _origins() -> dict[str, Optional[str]]:
+def _origins() -> dict[str, str | None]:
     """Where this command would import rayapp and each preloaded library from (found, not loaded)."""
     import importlib.util
 
@@ -101,14 +124,17 @@ def _origins() -> dict[str, Optional[str]]:
 
 
 def import_time_environment(environ: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in environ.items()
-            if name.startswith(IMPORT_TIME_ENV_PREFIXES) and name not in STREAM_ENV}
+    return {
+        name: value
+        for name, value in environ.items()
+        if name.startswith(IMPORT_TIME_ENV_PREFIXES) and name not in STREAM_ENV
+    }
 
 
 # -- the command's side ---------------------------------------------------------------------------
 
 
-def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
+def hand_over(argv: list[str], status: Callable[[str], None]) -> int | None:
     """Run this command in a child of the warm cluster's preloaded driver; its exit status, or
     None when there is no such server or it declines (the command then runs here)."""
     if len(argv) < 2 or argv[1] not in COMMANDS or "--help" in argv or "-h" in argv:
@@ -121,7 +147,7 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
     # Signals that come while the server answers are held, then passed on to the child, or (when the
     # command runs here after all) raised again here, so that no Ctrl-C is lost or half-handled.
     held: list[int] = []
-    child: Optional[int] = None
+    child: int | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
         if child is None:
@@ -129,8 +155,11 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
         else:
             _signal(child, signum)
 
-    passed_on = [signum for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                 if signal.getsignal(signum) is not signal.SIG_IGN]  # ignored here, ignored there
+    passed_on = [
+        signum
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    ]  # ignored here, ignored there
     previous = {signum: signal.signal(signum, on_signal) for signum in passed_on}
     first = _request(socket_path, argv, sigint_ignored=signal.SIGINT not in passed_on)
     if "pid" not in first:  # declined, or the server is gone (stopped, crashed): run here
@@ -146,7 +175,10 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> Optional[int]:
         _signal(child, signum)
     last = receive_reply(first["replies"])
     if "exit" not in last:
-        print(f"rayapp: the run's process {child} ended without an exit status (killed?)", file=sys.stderr)
+        print(
+            f"rayapp: the run's process {child} ended without an exit status (killed?)",
+            file=sys.stderr,
+        )
         return 1
     return last["exit"]
 
@@ -156,12 +188,24 @@ def _request(socket_path: Path, argv: list[str], sigint_ignored: bool) -> dict:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(str(socket_path))
-        send_message(connection, {
-            "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path, "umask": _umask(),
-            "interpreter": interpreter_identity(), "origins": _origins(),
-            "streams": {name: _stream_settings(getattr(sys, name)) for name in ("stdin", "stdout", "stderr")},
-            "sigint_ignored": sigint_ignored,
-        }, descriptors=[0, 1, 2])
+        send_message(
+            connection,
+            {
+                "argv": argv,
+                "cwd": os.getcwd(),
+                "env": dict(os.environ),
+                "path": sys.path,
+                "umask": _umask(),
+                "interpreter": interpreter_identity(),
+                "origins": _origins(),
+                "streams": {
+                    name: _stream_settings(getattr(sys, name))
+                    for name in ("stdin", "stdout", "stderr")
+                },
+                "sigint_ignored": sigint_ignored,
+            },
+            descriptors=[0, 1, 2],
+        )
         replies = connection.makefile("rb")
         first = receive_reply(replies)
     except (OSError, ValueError):
@@ -173,7 +217,7 @@ def _request(socket_path: Path, argv: list[str], sigint_ignored: bool) -> dict:
     return {**first, "replies": replies}  # the connection stays open: the child's exit comes by it
 
 
-def _stream_settings(stream: Optional[io.TextIOWrapper]) -> list:
+def _stream_settings(stream: io.TextIOWrapper | None) -> list:
     if stream is None:  # started with the descriptor closed: sending it fails first
         return ["utf-8", "strict", False]
     return [stream.encoding, stream.errors, bool(getattr(stream, "write_through", False))]
@@ -193,7 +237,9 @@ def _umask() -> int:
 # -- messages: one JSON line each; the first may carry descriptors --------------------------------
 
 
-def send_message(connection: socket.socket, message: dict, descriptors: Optional[list[int]] = None) -> None:
+def send_message(
+    connection: socket.socket, message: dict, descriptors: list[int] | None = None
+) -> None:
     data = (json.dumps(message) + "\n").encode()
     if descriptors:
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", descriptors))]
@@ -205,7 +251,9 @@ def send_message(connection: socket.socket, message: dict, descriptors: Optional
 def receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
     """The request and the descriptors sent with it."""
     descriptors = array.array("i")
-    data, ancillary, _, _ = connection.recvmsg(_MESSAGE_BYTES, socket.CMSG_LEN(3 * descriptors.itemsize))
+    data, ancillary, _, _ = connection.recvmsg(
+        _MESSAGE_BYTES, socket.CMSG_LEN(3 * descriptors.itemsize)
+    )
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             descriptors.frombytes(payload[: len(payload) - len(payload) % descriptors.itemsize])

@@ -16,8 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from rayapp.cli.preloaded import (PRELOAD, import_time_environment, interpreter_identity, receive_request,
-                                  send_message)
+from rayapp.cli.preloaded import (
+    PRELOAD,
+    import_time_environment,
+    interpreter_identity,
+    receive_request,
+    send_message,
+)
 
 
 def serve(socket_path: str) -> None:
@@ -29,7 +34,9 @@ def serve(socket_path: str) -> None:
     fingerprint = _fingerprint()
     # What the imports set for themselves (Ray: RAY_CLIENT_MODE=0), as they would in the command.
     set_by_imports = {name: value for name, value in os.environ.items() if name not in before}
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children: none becomes a zombie
+    signal.signal(
+        signal.SIGCHLD, signal.SIG_IGN
+    )  # the kernel reaps the children: none becomes a zombie
     signal.signal(signal.SIGTERM, lambda *_: _stop(socket_path))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     partial = f"{socket_path}.{os.getpid()}"
@@ -66,7 +73,10 @@ def serve(socket_path: str) -> None:
             listener.close()
             _become(request, descriptors, connection, set_by_imports)  # never returns
         else:
-            print(f"{time.strftime('%H:%M:%S')} process {child}: `{command}` in {request['cwd']}", flush=True)
+            print(
+                f"{time.strftime('%H:%M:%S')} process {child}: `{command}` in {request['cwd']}",
+                flush=True,
+            )
         for descriptor in descriptors:
             os.close(descriptor)
         connection.close()
@@ -98,19 +108,25 @@ def _refusal(request: dict, fingerprint: dict, environment: dict[str, str]) -> s
     """Why the command must run in its own process, or '' when a child of this server will do."""
     if request.get("interpreter") != interpreter_identity():
         return "the command's Python or its flags differ from the server's"
-    differing = sorted(name for name in {*environment, *import_time_environment(request["env"])}
-                       if environment.get(name) != request["env"].get(name))
+    differing = sorted(
+        name
+        for name in {*environment, *import_time_environment(request["env"])}
+        if environment.get(name) != request["env"].get(name)
+    )
     if differing:
         return f"{', '.join(differing[:3])}{' ...' if len(differing) > 3 else ''} set differently than at `cluster up`"
-    if request.get("origins") != {name: sys.modules[name].__file__ for name in request.get("origins", {})} \
-            or set(request.get("origins", {})) != {name.split(".")[0] for name in PRELOAD}:
+    if request.get("origins") != {
+        name: sys.modules[name].__file__ for name in request.get("origins", {})
+    } or set(request.get("origins", {})) != {name.split(".")[0] for name in PRELOAD}:
         return "the command would import rayapp or its libraries from elsewhere than the server did"
     if _fingerprint() != fingerprint:
         return "rayapp or a library it preloads changed on disk since `cluster up`"
     return ""
 
 
-def _become(request: dict, descriptors: list[int], connection: socket.socket, set_by_imports: dict) -> None:
+def _become(
+    request: dict, descriptors: list[int], connection: socket.socket, set_by_imports: dict
+) -> None:
     """In the forked child: take on the command's streams, directory, environment and arguments,
     then run it as `rayapp` would run it; the exit status goes back to the waiting command."""
     exit_code = 1
@@ -122,7 +138,10 @@ def _become(request: dict, descriptors: list[int], connection: socket.socket, se
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # As Python would have it in the command: Ctrl-C raises, unless the command inherited it ignored.
-        signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
+        signal.signal(
+            signal.SIGINT,
+            signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler,
+        )
         os.chdir(request["cwd"])
         os.umask(request["umask"])
         os.environ.clear()
@@ -139,7 +158,11 @@ def _become(request: dict, descriptors: list[int], connection: socket.socket, se
         warm.PRELOADED_DRIVER = True
         exit_code = run_here()
     except BaseException as exc:  # nothing may unwind into the server's loop
-        print(f"rayapp: the preloaded driver could not run the command: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"rayapp: the preloaded driver could not run the command: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         with contextlib.suppress(OSError):
             send_message(connection, {"exit": exit_code})
@@ -152,9 +175,19 @@ def _reopen_standard_streams(settings: dict) -> None:
     buffering on a terminal, no buffering where it was unbuffered (-u, PYTHONUNBUFFERED)."""
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         encoding, errors, write_through = settings[name]
-        binary = io.open(fd, "rb" if fd == 0 else "wb", buffering=0 if write_through and fd else -1, closefd=False)
-        stream = io.TextIOWrapper(binary, encoding=encoding, errors=errors, write_through=write_through,
-                                  line_buffering=fd == 2 or (fd == 1 and os.isatty(fd)))
+        binary = open(
+            fd,
+            "rb" if fd == 0 else "wb",
+            buffering=0 if write_through and fd else -1,
+            closefd=False,
+        )
+        stream = io.TextIOWrapper(
+            binary,
+            encoding=encoding,
+            errors=errors,
+            write_through=write_through,
+            line_buffering=fd == 2 or (fd == 1 and os.isatty(fd)),
+        )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 

@@ -17,7 +17,14 @@ if TYPE_CHECKING:
 # Shown in their own words at the front of each epoch line; everything else a loop logs follows.
 _TIMINGS = ("epoch_time_s", "samples_per_s", "comm_time_s")
 # world_size: an elastic run says its size when it (re)starts; a fixed run's never changes.
-_NOT_SHOWN = {"epoch", "compute_time_s", "data_time_s", "peak_mem_mb", "checkpoint_time_s", "world_size"}
+_NOT_SHOWN = {
+    "epoch",
+    "compute_time_s",
+    "data_time_s",
+    "peak_mem_mb",
+    "checkpoint_time_s",
+    "world_size",
+}
 _SHORT_NAMES = {"test_accuracy": "test acc"}
 
 
@@ -37,11 +44,15 @@ class EpochPrinter:
             self.on_status(metrics["status"])
             return
         if "output" in metrics:  # a line rank 0's script printed
-            self._console.print(metrics["output"], markup=False, end="" if metrics["output"].endswith("\n") else "\n")
+            self._console.print(
+                metrics["output"],
+                markup=False,
+                end="" if metrics["output"].endswith("\n") else "\n",
+            )
             return
         self._console.print(epoch_line(metrics, self._spec.train.epochs))
 
-    def done(self, result: "SubmitResult") -> None:
+    def done(self, result: SubmitResult) -> None:
         self._console.print(
             f"[green]done[/green] in {result.wall_time_s:.1f}s  "
             f"MLflow run [bold]{result.run_id}[/bold] (experiment {result.experiment!r})"
@@ -51,7 +62,9 @@ class EpochPrinter:
         if page:
             self._console.print(f"  view:  {page}")
             return
-        self._console.print(f"  view:  rayapp ui --tracking-uri '{result.tracking_uri}'   or   rayapp runs --experiment '{result.experiment}'")
+        self._console.print(
+            f"  view:  rayapp ui --tracking-uri '{result.tracking_uri}'   or   rayapp runs --experiment '{result.experiment}'"
+        )
 
 
 def epoch_line(metrics: dict, epochs: int) -> str:
@@ -69,7 +82,12 @@ def epoch_line(metrics: dict, epochs: int) -> str:
     if comm is not None and comm == comm:  # NaN: not measured (FSDP, a loop without DDP)
         parts.append(f"comm {comm:.2f}s")
     for key, value in metrics.items():
-        if key in _NOT_SHOWN or key in _TIMINGS or key == "loss" or not isinstance(value, (int, float)):
+        if (
+            key in _NOT_SHOWN
+            or key in _TIMINGS
+            or key == "loss"
+            or not isinstance(value, (int, float))
+        ):
             continue
         parts.append(f"{_SHORT_NAMES.get(key, key)} {_number(value)}")
     return "  ".join(parts)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import click
 
@@ -15,11 +14,15 @@ from rayapp.spec import SpecError
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
-@shared_option("--experiment", default="rayapp", show_default=True, help="MLflow experiment to list.")
+@shared_option(
+    "--experiment", default="rayapp", show_default=True, help="MLflow experiment to list."
+)
 @tracking_uri_option
-@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Runs to show.")
+@click.option(
+    "-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Runs to show."
+)
 @friendly_errors
-def runs(experiment: str, tracking_uri: Optional[str], limit: int) -> None:
+def runs(experiment: str, tracking_uri: str | None, limit: int) -> None:
     """Table of the most recent runs of an experiment.
 
     \b
@@ -36,7 +39,7 @@ def runs(experiment: str, tracking_uri: Optional[str], limit: int) -> None:
 @tracking_uri_option
 @click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True)
 @friendly_errors
-def ui(tracking_uri: Optional[str], port: int) -> None:
+def ui(tracking_uri: str | None, port: int) -> None:
     """Start the MLflow UI on 127.0.0.1 for the tracking store rayapp uses.
 
     \b
@@ -47,27 +50,60 @@ def ui(tracking_uri: Optional[str], port: int) -> None:
 
     uri = resolve_tracking_uri(tracking_uri)
     if not uri.startswith(("sqlite:", "file:", "postgresql", "mysql", "mssql", "/")):
-        raise RayappError(f"--tracking-uri {uri!r} is a tracking server already; open it in a browser instead")
-    click.echo(f"MLflow UI for {uri} on http://127.0.0.1:{port}/#/experiments?{UI_TRAINING_VIEW} (Ctrl-C to stop)")
+        raise RayappError(
+            f"--tracking-uri {uri!r} is a tracking server already; open it in a browser instead"
+        )
+    click.echo(
+        f"MLflow UI for {uri} on http://127.0.0.1:{port}/#/experiments?{UI_TRAINING_VIEW} (Ctrl-C to stop)"
+    )
     # One web worker and no background job runner: a local UI for one person needs no more, and
     # on a small machine the defaults (4 workers and a job runner) take half a minute to answer.
     os.environ.setdefault("MLFLOW_WORKERS", "1")
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     os.execv(sys.executable, command)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("run_ids", nargs=-1)
-@shared_option("--experiment", help="Compare the finished rayapp runs of this experiment (default: rayapp).")
+@shared_option(
+    "--experiment", help="Compare the finished rayapp runs of this experiment (default: rayapp)."
+)
 @click.option("--parent", "parent_run_id", help="Only the child runs of this sweep's parent run.")
 @tracking_uri_option
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Also save the scaling plot PNG here: throughput, efficiency, and where the time goes.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json", "markdown"]),
+    default="table",
+    show_default=True,
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Also save the scaling plot PNG here: throughput, efficiency, and where the time goes.",
+)
 @friendly_errors
-def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: Optional[str], tracking_uri: Optional[str],
-            fmt: str, plot_path: Optional[str]) -> None:
+def compare(
+    run_ids: tuple[str, ...],
+    experiment: str | None,
+    parent_run_id: str | None,
+    tracking_uri: str | None,
+    fmt: str,
+    plot_path: str | None,
+) -> None:
     """Compare runs: epoch time, speedup, scaling efficiency, comm share, and the ideal beside the measured.
 
     Beside them, what explains them: start-up times and each node's mean CPU use in the table,
@@ -85,7 +121,10 @@ def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: 
     if run_ids and (experiment or parent_run_id):
         raise SpecError("give RUN_IDs or --experiment/--parent, not both")
     summaries = load_summaries(
-        resolve_tracking_uri(tracking_uri), experiment=experiment or "rayapp", run_ids=run_ids, parent_run_id=parent_run_id
+        resolve_tracking_uri(tracking_uri),
+        experiment=experiment or "rayapp",
+        run_ids=run_ids,
+        parent_run_id=parent_run_id,
     )
     click.echo(render(summaries, fmt), nl=False)
     if plot_path:
@@ -98,7 +137,7 @@ def compare(run_ids: tuple[str, ...], experiment: Optional[str], parent_run_id: 
 @click.argument("fallback_file", type=click.Path(exists=True, dir_okay=False))
 @tracking_uri_option
 @friendly_errors
-def import_metrics(fallback_file: str, tracking_uri: Optional[str]) -> None:
+def import_metrics(fallback_file: str, tracking_uri: str | None) -> None:
     """Deliver metrics a run saved while MLflow was unreachable.
 
     Values already in the run are skipped, so importing twice, or after a partial
@@ -118,7 +157,11 @@ def import_metrics(fallback_file: str, tracking_uri: Optional[str]) -> None:
     try:
         sent = import_fallback(Path(fallback_file), uri)
     except (OSError, ValueError, KeyError) as exc:
-        raise RayappError(f"{fallback_file} is not a rayapp fallback file ({type(exc).__name__}: {exc})") from None
+        raise RayappError(
+            f"{fallback_file} is not a rayapp fallback file ({type(exc).__name__}: {exc})"
+        ) from None
     except Exception as exc:  # the server is still unreachable, or refused a record
-        raise RayappError(f"could not deliver to {uri}: {type(exc).__name__}; the file is left as it was") from None
+        raise RayappError(
+            f"could not deliver to {uri}: {type(exc).__name__}; the file is left as it was"
+        ) from None
     click.echo(f"delivered {sent} record(s) from {fallback_file} to {uri}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import click
 
@@ -14,12 +14,28 @@ from rayapp.spec.overrides import overrides_from_flags, rows
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # What a sweep varies or shares; --nodes is the sweep's own list of sizes.
-BENCH_FLAGS = ("--scaling", "--epochs", "--workers-per-node", "--strategy", "--backend", "--global-batch-size",
-               "--precision", "--compile", "--experiment", "--tracking-uri", "--address", "--storage-path",
-               "--pp-stages", "--microbatches", "--pp-schedule")
+BENCH_FLAGS = (
+    "--scaling",
+    "--epochs",
+    "--workers-per-node",
+    "--strategy",
+    "--backend",
+    "--global-batch-size",
+    "--precision",
+    "--compile",
+    "--experiment",
+    "--tracking-uri",
+    "--address",
+    "--storage-path",
+    "--pp-stages",
+    "--microbatches",
+    "--pp-schedule",
+)
 
 
-def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any], script_args: tuple[str, ...] = ()) -> JobSpec:
+def spec_from_flags(
+    job_yaml: str | None, flags: dict[str, Any], script_args: tuple[str, ...] = ()
+) -> JobSpec:
     """defaults < job YAML < flags; with no YAML, the defaults are the article's loop. The machine
     an embedded cluster would run on is checked here, before anything starts."""
     from rayapp.launch.preflight import check_local_machine
@@ -31,34 +47,56 @@ def spec_from_flags(job_yaml: Optional[str], flags: dict[str, Any], script_args:
     default_name = "seed_linear"
     if flags.get("script"):
         default_name = flags["script"].rsplit("/", 1)[-1].removesuffix(".py") or "script"
-    spec = load_spec(job_yaml, overrides) if job_yaml else build_spec({}, overrides, default_name=default_name)
+    spec = (
+        load_spec(job_yaml, overrides)
+        if job_yaml
+        else build_spec({}, overrides, default_name=default_name)
+    )
     check_local_machine(spec)
     return spec
 
 
-def split_arguments(arguments: tuple[str, ...], script: Optional[str]) -> tuple[Optional[str], tuple[str, ...]]:
+def split_arguments(
+    arguments: tuple[str, ...], script: str | None
+) -> tuple[str | None, tuple[str, ...]]:
     """JOB_YAML, then (with --script) the script's own arguments, which follow `--`."""
     if not arguments:
         return None, ()
-    job_yaml, rest = (arguments[0], arguments[1:]) if arguments[0].endswith(YAML_SUFFIXES) else (None, arguments)
+    job_yaml, rest = (
+        (arguments[0], arguments[1:]) if arguments[0].endswith(YAML_SUFFIXES) else (None, arguments)
+    )
     if rest and not script:
-        raise SpecError(f"{rest[0]!r}: unexpected argument; give one JOB_YAML (arguments after -- are for --script)")
+        raise SpecError(
+            f"{rest[0]!r}: unexpected argument; give one JOB_YAML (arguments after -- are for --script)"
+        )
     return job_yaml, rest
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("arguments", nargs=-1, type=click.UNPROCESSED, metavar="[JOB_YAML] [-- SCRIPT_ARGS]")
+@click.argument(
+    "arguments", nargs=-1, type=click.UNPROCESSED, metavar="[JOB_YAML] [-- SCRIPT_ARGS]"
+)
 @override_options()
 @schedule_timeout_option
 @click.option("-v", "--verbose", is_flag=True, help="Show Ray and worker logs.")
 @click.option(
-    "--detach/--wait", "--no-wait/ ", default=False,
+    "--detach/--wait",
+    "--no-wait/ ",
+    default=False,
     help="With a Jobs API address (http://HEAD:8265): return once submitted instead of streaming logs.",
 )
-@click.option("--parent-run-id", hidden=True, help="Nest the MLflow run under this parent (used by bench).")
+@click.option(
+    "--parent-run-id", hidden=True, help="Nest the MLflow run under this parent (used by bench)."
+)
 @friendly_errors
-def submit(arguments: tuple[str, ...], schedule_timeout: float, verbose: bool, detach: bool,
-           parent_run_id: Optional[str], **flags: Any) -> None:
+def submit(
+    arguments: tuple[str, ...],
+    schedule_timeout: float,
+    verbose: bool,
+    detach: bool,
+    parent_run_id: str | None,
+    **flags: Any,
+) -> None:
     """Train JOB_YAML with Ray Train (TorchTrainer) and log it to MLflow.
 
     Flags override the job YAML, which overrides the defaults. With no --address,
@@ -77,7 +115,8 @@ def submit(arguments: tuple[str, ...], schedule_timeout: float, verbose: bool, d
       rayapp submit --address http://127.0.0.1:8265 --nodes 2 --tracking-uri http://MLFLOW:5000 jobs/seed_linear.yaml
     """
     from rayapp.cli.progress import EpochPrinter
-    from rayapp.driver.submit import SubmitOptions, submit as run_job
+    from rayapp.driver.submit import SubmitOptions
+    from rayapp.driver.submit import submit as run_job
 
     job_yaml, script_args = split_arguments(arguments, flags.get("script"))
     spec = spec_from_flags(job_yaml, flags, script_args)
@@ -86,7 +125,11 @@ def submit(arguments: tuple[str, ...], schedule_timeout: float, verbose: bool, d
     if spec.cluster.address and spec.cluster.address.startswith(("http://", "https://")):
         from rayapp.cli.jobs import submit_remote
 
-        sys.exit(submit_remote(spec, job_yaml=job_yaml, detach=detach, schedule_timeout_s=schedule_timeout))
+        sys.exit(
+            submit_remote(
+                spec, job_yaml=job_yaml, detach=detach, schedule_timeout_s=schedule_timeout
+            )
+        )
     printer = EpochPrinter(spec)
     result = run_job(
         spec,
@@ -104,12 +147,21 @@ def submit(arguments: tuple[str, ...], schedule_timeout: float, verbose: bool, d
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("job_yaml", type=click.Path(dir_okay=False))
-@click.option("--nodes", "node_list", required=True, help="Cluster sizes to run, comma-separated, e.g. 1,2,4.")
+@click.option(
+    "--nodes", "node_list", required=True, help="Cluster sizes to run, comma-separated, e.g. 1,2,4."
+)
 @override_options(rows(*BENCH_FLAGS))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Where to save the scaling plot PNG.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Where to save the scaling plot PNG.",
+)
 @schedule_timeout_option
 @friendly_errors
-def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_timeout: float, **flags: Any) -> None:
+def bench(
+    job_yaml: str, node_list: str, plot_path: str | None, schedule_timeout: float, **flags: Any
+) -> None:
     """Run JOB_YAML once per cluster size and compare: nested MLflow runs, a table and a plot.
 
     All runs go into one experiment under a parent run; the parent gets the comparison
@@ -124,10 +176,10 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rayapp.reports.compare import render
-    from rayapp.driver.submit import SubmitOptions
     from rayapp.cli.progress import EpochPrinter
+    from rayapp.driver.submit import SubmitOptions
     from rayapp.driver.sweep import parse_sizes, run_sweep
+    from rayapp.reports.compare import render
 
     sizes = parse_sizes(node_list)
     # Validate every size up front, so a bad combination fails before any run starts.
@@ -135,8 +187,12 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
     quiet_library_logs()
     console = Console(highlight=False)
     with Progress(
-        TextColumn("[bold]sweep[/bold] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
-        TimeElapsedColumn(), console=console, transient=True,
+        TextColumn("[bold]sweep[/bold] {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} runs"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
     ) as progress:
         task = progress.add_task("", total=len(sizes))
         printer = EpochPrinter(specs[sizes[0]], console=progress.console)
@@ -145,12 +201,18 @@ def bench(job_yaml: str, node_list: str, plot_path: Optional[str], schedule_time
             sizes,
             job_file=job_yaml,
             options=SubmitOptions(
-                schedule_timeout_s=schedule_timeout, on_progress=printer.on_epoch, on_status=printer.on_status
+                schedule_timeout_s=schedule_timeout,
+                on_progress=printer.on_epoch,
+                on_status=printer.on_status,
             ),
             on_size_start=lambda n: progress.update(task, description=f"{n} node(s)"),
             on_size_done=lambda n, r: progress.advance(task),
             plot_path=plot_path,
         )
-    click.echo(render(result.summaries, "table"), nl=False)  # pre-rendered at full width; no re-wrapping
-    console.print(f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} "
-                  "and logged as scaling.png, beside time_breakdown.png")
+    click.echo(
+        render(result.summaries, "table"), nl=False
+    )  # pre-rendered at full width; no re-wrapping
+    console.print(
+        f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} "
+        "and logged as scaling.png, beside time_breakdown.png"
+    )

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import local_gpus
@@ -54,7 +54,7 @@ class ClusterSession:
 
     label: str
     """`local`, `local-warm`, or the address given: tagged on the run."""
-    embedded: Optional[EmbeddedCluster] = None
+    embedded: EmbeddedCluster | None = None
 
     def lost_nodes(self) -> list[str]:
         """IPs of nodes that died during the job. An embedded node's processes tell at once; Ray's
@@ -70,8 +70,13 @@ class ClusterSession:
 
 
 @contextlib.contextmanager
-def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
-                runtime_env: Optional[dict] = None) -> Iterator[ClusterSession]:
+def ray_cluster(
+    spec: JobSpec,
+    *,
+    verbose: bool,
+    status: Callable[[str], None],
+    runtime_env: dict | None = None,
+) -> Iterator[ClusterSession]:
     """Connect to spec.cluster.address, else to the warm cluster (`rayapp cluster up`) when one
     runs, else start and finally stop an embedded cluster.
 
@@ -79,10 +84,15 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
     worker of the job runs in it."""
     import ray
 
-    def connect(address: str, node_ip: Optional[str], where: str) -> None:
+    def connect(address: str, node_ip: str | None, where: str) -> None:
         try:
-            ray.init(address=address, _node_ip_address=node_ip, log_to_driver=verbose,
-                     logging_level="ERROR" if not verbose else "INFO", runtime_env=runtime_env)
+            ray.init(
+                address=address,
+                _node_ip_address=node_ip,
+                log_to_driver=verbose,
+                logging_level="ERROR" if not verbose else "INFO",
+                runtime_env=runtime_env,
+            )
         except Exception as exc:  # ConnectionError, timeouts, bad scheme
             raise RayappError(f"cannot connect to {where}: {first_line(exc)}") from None
         raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
@@ -100,27 +110,43 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
         if running is not None:
             running.check_fits(spec.cluster.nodes)
             driver = ", from its preloaded driver" if warm.PRELOADED_DRIVER else ""
-            status(f"using the warm cluster: {running.describe()}{driver} (`rayapp cluster down` stops it)")
+            status(
+                f"using the warm cluster: {running.describe()}{driver} (`rayapp cluster down` stops it)"
+            )
             running.prepare_client()
-            connect(running.address, running.head_ip,
-                    f"the warm cluster at {running.address} (node logs: {running.log_dir})")
+            connect(
+                running.address,
+                running.head_ip,
+                f"the warm cluster at {running.address} (node logs: {running.log_dir})",
+            )
             yield ClusterSession(WARM_LABEL)
             return
         cpus_per_node = spec.cluster.workers_per_node * spec.cluster.cpus_per_worker
-        status(f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)")
+        status(
+            f"starting embedded Ray cluster: {spec.cluster.nodes} node(s) x {cpus_per_node} CPU(s)"
+        )
         with EmbeddedCluster(
-            nodes=spec.cluster.nodes, cpus_per_node=cpus_per_node, gpus_per_node=local_gpus() // spec.cluster.nodes
+            nodes=spec.cluster.nodes,
+            cpus_per_node=cpus_per_node,
+            gpus_per_node=local_gpus() // spec.cluster.nodes,
         ) as cluster:
             cluster.prepare_client()
-            connect(cluster.address, cluster.head_ip,
-                    f"the embedded Ray cluster at {cluster.address} (node logs: {cluster.log_dir})")
+            connect(
+                cluster.address,
+                cluster.head_ip,
+                f"the embedded Ray cluster at {cluster.address} (node logs: {cluster.log_dir})",
+            )
             cluster.wait_for_nodes()
             if spec.cluster.failures_allowed > 0:
                 # A lost node comes back, as an autoscaler would bring one; for an elastic run,
                 # after a while, as a real replacement takes: training goes on meanwhile with fewer.
-                cluster.keep_nodes_up(status, replace_after_s=ELASTIC_REPLACE_AFTER_S if spec.cluster.elastic else 0.0)
+                cluster.keep_nodes_up(
+                    status, replace_after_s=ELASTIC_REPLACE_AFTER_S if spec.cluster.elastic else 0.0
+                )
             if spec.cluster.elastic:
-                os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S)
+                os.environ.setdefault(
+                    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S
+                )
             try:
                 yield ClusterSession("local", embedded=cluster)
             finally:
@@ -130,21 +156,26 @@ def ray_cluster(spec: JobSpec, *, verbose: bool, status: Callable[[str], None],
 
 
 @contextlib.contextmanager
-def progress_pump(on_progress: Optional[ProgressCallback]) -> Iterator[object]:
+def progress_pump(on_progress: ProgressCallback | None) -> Iterator[object]:
     """A Ray queue that rank 0 fills; a driver thread drains it into on_progress."""
     if on_progress is None:
         yield None
         return
-    from ray.util.queue import Queue
-
     import ray
+    from ray.util.queue import Queue
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # num_cpus=0: the queue must never compete with training workers for a CPU slot. On the
     # driver's own node, as Ray Train's controller is: a worker node lost mid-run (and recovered
     # from) must not take the queue along. Not a soft preference: Ray spreads those.
-    queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-        node_id=ray.get_runtime_context().get_node_id(), soft=False)})
+    queue = Queue(
+        actor_options={
+            "num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
+            ),
+        }
+    )
     done = "rayapp-progress-done"
 
     def drain() -> None:

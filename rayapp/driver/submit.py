@@ -10,10 +10,13 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
+from rayapp.driver.session import ProgressCallback, first_line, progress_pump, ray_cluster
+from rayapp.driver.signals import raise_on_termination
+from rayapp.driver.trainer import build_trainer, storage_path, trial_name
 from rayapp.errors import RayappError
 from rayapp.launch import working_dir
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
@@ -30,9 +33,6 @@ from rayapp.tracking.run import (
     open_run,
     resolve_tracking_uri,
 )
-from rayapp.driver.signals import raise_on_termination
-from rayapp.driver.session import ProgressCallback, first_line, progress_pump, ray_cluster
-from rayapp.driver.trainer import build_trainer, storage_path, trial_name
 from rayapp.train.config import WorkerConfig
 
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -51,17 +51,17 @@ class SubmitResult:
 
 @dataclass(frozen=True, kw_only=True)
 class SubmitOptions:
-    job_file: Optional[str] = None
+    job_file: str | None = None
     """Recorded as a tag, with the git sha of its directory."""
-    parent_run_id: Optional[str] = None
+    parent_run_id: str | None = None
     """Nest this run under a sweep's parent run."""
     schedule_timeout_s: float = 0.0
     """How long to wait for the cluster to grow to the requested size before failing."""
     verbose: bool = False
     """Forward worker and Ray Train logs to this terminal."""
-    on_progress: Optional[ProgressCallback] = None
+    on_progress: ProgressCallback | None = None
     """Called in a background thread with each epoch's metrics from rank 0."""
-    on_status: Optional[Callable[[str], None]] = None
+    on_status: Callable[[str], None] | None = None
     """Called with short status lines (cluster starting, workers scheduled...)."""
 
 
@@ -78,16 +78,22 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     # on to the controller; a value the user set wins.
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     tracking_uri = resolve_tracking_uri(spec.tracking.tracking_uri)
-    check_tracking_access(tracking_uri)  # a refused password fails here, not after the cluster started
+    check_tracking_access(
+        tracking_uri
+    )  # a refused password fails here, not after the cluster started
     spec, job_env = prepare_user_code(spec, options.job_file, status)
-    run_id: Optional[str] = None
-    fallback: Optional[str] = None
+    run_id: str | None = None
+    fallback: str | None = None
     outcome = "FAILED"
     try:
-        with ray_cluster(spec, verbose=options.verbose, status=status, runtime_env=job_env) as cluster:
+        with ray_cluster(
+            spec, verbose=options.verbose, status=status, runtime_env=job_env
+        ) as cluster:
             cluster_ready_at = time.time()
             check_capacity(spec, wait_s=options.schedule_timeout_s)
-            backend = resolve_backend(spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+            backend = resolve_backend(
+                spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0)
+            )
             check_precision(spec, backend)
             run_id = open_run(
                 tracking_uri=tracking_uri,
@@ -97,11 +103,17 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 tags={TAG_CLUSTER: cluster.label, **environment_tags(options.job_file)},
                 parent_run_id=options.parent_run_id,
             )
-            log_run_metrics(tracking_uri, run_id, {"startup_cluster_s": cluster_ready_at - submitted_at})
-            fallback = fallback_path(storage_path(spec.cluster.storage_path), trial_name(spec, run_id), run_id)
+            log_run_metrics(
+                tracking_uri, run_id, {"startup_cluster_s": cluster_ready_at - submitted_at}
+            )
+            fallback = fallback_path(
+                storage_path(spec.cluster.storage_path), trial_name(spec, run_id), run_id
+            )
             try:
                 with progress_pump(options.on_progress) as progress_queue:
-                    status(f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}")
+                    status(
+                        f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}"
+                    )
                     trainer = build_trainer(
                         spec,
                         backend,
@@ -123,8 +135,14 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 raise
             except Exception as exc:
                 lost = cluster.lost_nodes()
-                cause = f"node {', '.join(lost)} was lost ({first_line(exc)})" if lost else first_line(exc)
-                raise RayappError(f"training failed: {cause} (MLflow run {run_id} marked FAILED)") from exc
+                cause = (
+                    f"node {', '.join(lost)} was lost ({first_line(exc)})"
+                    if lost
+                    else first_line(exc)
+                )
+                raise RayappError(
+                    f"training failed: {cause} (MLflow run {run_id} marked FAILED)"
+                ) from exc
     finally:
         # Only now, with the workers gone: none of them can still be writing the epochs filled in here.
         if run_id is not None and fallback is not None:
@@ -141,7 +159,9 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
     )
 
 
-def prepare_user_code(spec: JobSpec, job_file: Optional[str], status: Callable[[str], None]) -> tuple[JobSpec, Optional[dict]]:
+def prepare_user_code(
+    spec: JobSpec, job_file: str | None, status: Callable[[str], None]
+) -> tuple[JobSpec, dict | None]:
     """Check the user's code the job names and plan its upload, before any cluster starts.
 
     Returns the spec as the workers run it (a script's path relative to the working dir they
@@ -152,20 +172,29 @@ def prepare_user_code(spec: JobSpec, job_file: Optional[str], status: Callable[[
     if spec.train.script is not None:
         script = _script_path(spec.train.script, job_file)
         if code_dir is None or not script.is_relative_to(code_dir):
-            raise SpecError(f"train.script: {spec.train.script!r} is outside the working directory {str(code_dir)!r} "
-                            "that travels to the workers; pass --working-dir with a directory that holds it")
-        spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, script=script.relative_to(code_dir).as_posix()))
+            raise SpecError(
+                f"train.script: {spec.train.script!r} is outside the working directory {str(code_dir)!r} "
+                "that travels to the workers; pass --working-dir with a directory that holds it"
+            )
+        spec = dataclasses.replace(
+            spec,
+            train=dataclasses.replace(spec.train, script=script.relative_to(code_dir).as_posix()),
+        )
     check_user_code(spec, code_dir)
     if code_dir is None:
         return spec, None
     upload = working_dir.plan(code_dir)
     for relative, size in upload.large_files:
-        status(f"left out of the code upload: {relative} ({size / 2**20:.0f} MiB; put data in shared storage)")
-    status(f"your code travels to the workers from {upload.path} ({upload.total_bytes / 2**10:.0f} KiB)")
+        status(
+            f"left out of the code upload: {relative} ({size / 2**20:.0f} MiB; put data in shared storage)"
+        )
+    status(
+        f"your code travels to the workers from {upload.path} ({upload.total_bytes / 2**10:.0f} KiB)"
+    )
     return spec, upload.runtime_env()
 
 
-def _script_path(script: str, job_file: Optional[str]) -> Path:
+def _script_path(script: str, job_file: str | None) -> Path:
     """The script as given (--script: relative to the current directory), else, for a job file's
     train.script, relative to that file's directory."""
     candidates = [Path(script).expanduser()]
@@ -174,8 +203,10 @@ def _script_path(script: str, job_file: Optional[str]) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise SpecError(f"train.script: {script!r} does not exist; pass the path of a Python training script "
-                    "(--script: relative to the current directory; in a job file: to the file's directory)")
+    raise SpecError(
+        f"train.script: {script!r} does not exist; pass the path of a Python training script "
+        "(--script: relative to the current directory; in a job file: to the file's directory)"
+    )
 
 
 def _fit_interruptibly(trainer):
@@ -203,7 +234,9 @@ def _fit_interruptibly(trainer):
     return outcome["result"]
 
 
-def _backfill_from_checkpoint(spec: JobSpec, tracking_uri: str, run_id: str, status: Callable[[str], None]) -> None:
+def _backfill_from_checkpoint(
+    spec: JobSpec, tracking_uri: str, run_id: str, status: Callable[[str], None]
+) -> None:
     """Log the epochs rank 0 checkpointed but did not get to send before the job ended."""
     from rayapp.tracking.backfill import backfill_epochs
 
@@ -211,11 +244,15 @@ def _backfill_from_checkpoint(spec: JobSpec, tracking_uri: str, run_id: str, sta
     try:
         epochs = backfill_epochs(tracking_uri, run_id, trial_dir)
     except Exception as exc:  # MLflow unreachable: the checkpoints still hold the figures
-        status(f"could not log the last checkpoint's epochs to MLflow ({type(exc).__name__}); they stay in {trial_dir}")
+        status(
+            f"could not log the last checkpoint's epochs to MLflow ({type(exc).__name__}); they stay in {trial_dir}"
+        )
         return
     if epochs:
-        status(f"logged epoch(s) {_spans(epochs)} to MLflow from the last checkpoint: "
-               "they had not been sent when the job stopped")
+        status(
+            f"logged epoch(s) {_spans(epochs)} to MLflow from the last checkpoint: "
+            "they had not been sent when the job stopped"
+        )
 
 
 def _spans(numbers: list[int]) -> str:
@@ -229,7 +266,9 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _close_run_or_save(tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]) -> None:
+def _close_run_or_save(
+    tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]
+) -> None:
     """Mark the run's end; if the server is gone, keep the status with the other undelivered records."""
     from rayapp.tracking.outbox import CLIENT_ENV, Record, append_fallback
 

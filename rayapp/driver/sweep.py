@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
-from rayapp.reports.compare import RunSummary, load_summaries, render
 from rayapp.driver.submit import SubmitOptions, SubmitResult, submit
+from rayapp.reports.compare import RunSummary, load_summaries, render
 from rayapp.reports.plot import scaling_plot, time_breakdown_plot
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import close_run, environment_tags, open_run, resolve_tracking_uri
@@ -26,7 +26,9 @@ def parse_sizes(text: str) -> list[int]:
     for piece in text.split(","):
         piece = piece.strip()
         if not piece.isdigit() or int(piece) < 1:
-            raise SpecError(f"--nodes: {piece!r} in {text!r} is not accepted; use whole numbers >= 1, e.g. 1,2,4")
+            raise SpecError(
+                f"--nodes: {piece!r} in {text!r} is not accepted; use whole numbers >= 1, e.g. 1,2,4"
+            )
         sizes.append(int(piece))
     if len(set(sizes)) != len(sizes):
         raise SpecError(f"--nodes: {text!r} repeats a size; give each size once, e.g. 1,2,4")
@@ -45,14 +47,16 @@ def run_sweep(
     base: JobSpec,
     sizes: list[int],
     *,
-    job_file: Optional[str] = None,
+    job_file: str | None = None,
     options: SubmitOptions = SubmitOptions(),
     on_size_start: Callable[[int], None] = lambda n: None,
     on_size_done: Callable[[int, SubmitResult], None] = lambda n, r: None,
-    plot_path: Optional[Path] = None,
+    plot_path: Path | None = None,
 ) -> SweepResult:
     """Run `base` at each node count; the parent run gets the comparison table and plot."""
-    specs = [dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, nodes=n)) for n in sizes]
+    specs = [
+        dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, nodes=n)) for n in sizes
+    ]
     tracking_uri = resolve_tracking_uri(base.tracking.tracking_uri)
     parent = open_run(
         tracking_uri=tracking_uri,
@@ -72,7 +76,9 @@ def run_sweep(
     try:
         for spec in specs:
             on_size_start(spec.cluster.nodes)
-            child = submit(spec, dataclasses.replace(options, job_file=job_file, parent_run_id=parent))
+            child = submit(
+                spec, dataclasses.replace(options, job_file=job_file, parent_run_id=parent)
+            )
             children.append(child)
             on_size_done(spec.cluster.nodes, child)
         summaries = load_summaries(tracking_uri, run_ids=[c.run_id for c in children])
@@ -83,10 +89,14 @@ def run_sweep(
         raise
     finally:
         close_run(tracking_uri, parent, outcome)
-    return SweepResult(parent_run_id=parent, children=children, summaries=summaries, plot_path=plot_path)
+    return SweepResult(
+        parent_run_id=parent, children=children, summaries=summaries, plot_path=plot_path
+    )
 
 
-def _log_report(tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: Optional[Path]) -> Path:
+def _log_report(
+    tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: Path | None
+) -> Path:
     """Table (markdown/csv/json) and plots as artifacts of the parent run; the scaling plot also saved locally."""
     from mlflow.tracking import MlflowClient
 
@@ -95,7 +105,11 @@ def _log_report(tracking_uri: str, parent_run_id: str, summaries: list[RunSummar
     with tempfile.TemporaryDirectory() as directory:
         scaling_plot(summaries, Path(directory) / PLOT_ARTIFACT)
         time_breakdown_plot(summaries, Path(directory) / BREAKDOWN_ARTIFACT)
-        for fmt, name in (("markdown", "scaling.md"), ("csv", "scaling.csv"), ("json", "scaling.json")):
+        for fmt, name in (
+            ("markdown", "scaling.md"),
+            ("csv", "scaling.csv"),
+            ("json", "scaling.json"),
+        ):
             (Path(directory) / name).write_text(render(summaries, fmt))
         client.log_artifacts(parent_run_id, directory)
         plot_path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from rayapp.spec import JobSpec
 from rayapp.train.config import WorkerConfig
@@ -28,7 +27,15 @@ def _gpus_per_worker(spec: JobSpec) -> int:
         return 1
     import ray
 
-    return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=1)) or 1
+    return (
+        int(
+            max(
+                (node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]),
+                default=1,
+            )
+        )
+        or 1
+    )
 
 
 def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
@@ -45,8 +52,14 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         scaling_config=ScalingConfig(
             # Elastic: Ray Train starts (and restarts after a lost node) with as many workers as
             # the cluster holds now, from min to max, and grows as nodes return.
-            num_workers=(spec.cluster.min_world_size, spec.world_size) if spec.cluster.elastic else spec.world_size,
-            **({"elastic_resize_monitor_interval_s": spec.cluster.resize_interval_s} if spec.cluster.elastic else {}),
+            num_workers=(spec.cluster.min_world_size, spec.world_size)
+            if spec.cluster.elastic
+            else spec.world_size,
+            **(
+                {"elastic_resize_monitor_interval_s": spec.cluster.resize_interval_s}
+                if spec.cluster.elastic
+                else {}
+            ),
             use_gpu=use_gpu,
             resources_per_worker={
                 "CPU": spec.cluster.cpus_per_worker,
@@ -65,7 +78,7 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
     )
 
 
-def _worker_env() -> Optional[dict]:
+def _worker_env() -> dict | None:
     """rayapp settings from the submitting shell that the workers need, also on a remote cluster."""
     from rayapp.tracking.outbox import GRACE_ENV
 

@@ -21,9 +21,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from rayapp.errors import RayappError
 
@@ -66,10 +66,10 @@ def _ray_executable() -> str:
 class EmbeddedCluster:
     """Usage::
 
-        with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
-            cluster.prepare_client()
-            ray.init(address=cluster.address, _node_ip_address=cluster.head_ip)
-            cluster.wait_for_nodes()
+    with EmbeddedCluster(nodes=2, cpus_per_node=1) as cluster:
+        cluster.prepare_client()
+        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip)
+        cluster.wait_for_nodes()
     """
 
     nodes: int
@@ -77,15 +77,15 @@ class EmbeddedCluster:
     gpus_per_node: int = 0
     """This machine's GPUs, dealt out to the nodes in disjoint sets (CUDA_VISIBLE_DEVICES per node)."""
     include_dashboard: bool = False
-    log_dir: Optional[Path] = None
+    log_dir: Path | None = None
     token: str = _PROCESS_TOKEN
     """Ray's auth token for this cluster; a warm cluster has one of its own, kept in its state file."""
     address: str = ""
-    dashboard_url: Optional[str] = None
+    dashboard_url: str | None = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
-    _watchdog: Optional[threading.Thread] = None
-    _temp_dir: Optional[str] = None
+    _watchdog: threading.Thread | None = None
+    _temp_dir: str | None = None
     _node_temp_dirs: list[str] = field(default_factory=list)
     _owns_log_dir: bool = False
 
@@ -101,7 +101,9 @@ class EmbeddedCluster:
     @property
     def leaders(self) -> dict[int, str]:
         """The live `ray start --block` processes, pid -> start time (tells a reused pid apart)."""
-        return {p.pid: started for p in self._processes if (started := start_time(p.pid)) is not None}
+        return {
+            p.pid: started for p in self._processes if (started := start_time(p.pid)) is not None
+        }
 
     @property
     def temp_dirs(self) -> list[str]:
@@ -117,7 +119,7 @@ class EmbeddedCluster:
     def head_ip(self) -> str:
         return node_ip(0)
 
-    def __enter__(self) -> "EmbeddedCluster":
+    def __enter__(self) -> EmbeddedCluster:
         try:
             self.start()
         except BaseException:
@@ -177,13 +179,27 @@ class EmbeddedCluster:
         # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray Train's
         # placement-group cleaner asks every second) find this one, not the one the last plain `ray
         # start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end with it.
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address, **self.auth_env,
-                   **_NO_DRAIN_ON_SIGTERM, **_FAST_NODE_DEATH)
+        env = dict(
+            os.environ,
+            RAY_USAGE_STATS_ENABLED="0",
+            RAY_ADDRESS=self.address,
+            **self.auth_env,
+            **_NO_DRAIN_ON_SIGTERM,
+            **_FAST_NODE_DEATH,
+        )
         if self.gpus_per_node:
             first = index * self.gpus_per_node
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.gpus_per_node))
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env=env)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(first + i) for i in range(self.gpus_per_node)
+            )
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
         log.close()
         if index < len(self._processes):
             self._processes[index] = process  # a lost node started again
@@ -193,15 +209,25 @@ class EmbeddedCluster:
     def restart_node(self, index: int) -> None:
         """Start worker node `index` again after it was lost, with the same IP and resources."""
         if not 0 < index < len(self._processes):
-            raise ValueError(f"node index {index} is not a worker node of this cluster (1..{len(self._processes) - 1})")
+            raise ValueError(
+                f"node index {index} is not a worker node of this cluster (1..{len(self._processes) - 1})"
+            )
         self._start_node(index, [f"--address={self.address}"])
 
     def exited_nodes(self) -> list[str]:
         """IPs of nodes whose `ray start` process has exited (killed, crashed, machine lost)."""
-        return [node_ip(index) for index, process in enumerate(self._processes) if process.poll() is not None]
+        return [
+            node_ip(index)
+            for index, process in enumerate(self._processes)
+            if process.poll() is not None
+        ]
 
-    def keep_nodes_up(self, on_restart: Callable[[str], None], interval_s: float = 1.0,
-                      replace_after_s: float = 0.0) -> None:
+    def keep_nodes_up(
+        self,
+        on_restart: Callable[[str], None],
+        interval_s: float = 1.0,
+        replace_after_s: float = 0.0,
+    ) -> None:
         """Start again any worker node that goes away (every process of it killed, as when a machine
         of a real cluster is lost), replace_after_s later, as an autoscaler would bring a replacement:
         Ray Train, with failures left to recover from, then resumes from the last checkpoint on the
@@ -219,8 +245,10 @@ class EmbeddedCluster:
                         lost_since[index] = time.monotonic()
                         _kill_and_wait(_descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
                         later = f" in {replace_after_s:.0f} s" if replace_after_s else ""
-                        on_restart(f"node {node_ip(index)} was lost (its `ray start` exited with code "
-                                   f"{process.returncode}); starting it again{later}")
+                        on_restart(
+                            f"node {node_ip(index)} was lost (its `ray start` exited with code "
+                            f"{process.returncode}); starting it again{later}"
+                        )
                     if time.monotonic() - lost_since[index] >= replace_after_s:
                         del lost_since[index]
                         if replace_after_s:
@@ -249,7 +277,9 @@ class EmbeddedCluster:
                     return
             except OSError:
                 time.sleep(0.3)
-        raise RayappError(f"embedded Ray head did not start within {NODE_START_TIMEOUT_S:.0f}s; see {self.log_dir}")
+        raise RayappError(
+            f"embedded Ray head did not start within {NODE_START_TIMEOUT_S:.0f}s; see {self.log_dir}"
+        )
 
     def wait_for_nodes(self) -> None:
         """After ray.init(): poll until every node is alive; fail fast if a `ray start` process died."""
@@ -329,7 +359,10 @@ def stop_leaders(leaders: dict[int, str]) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(start_time(pid) == started for pid, started in live.items()) and time.monotonic() < deadline:
+    while (
+        any(start_time(pid) == started for pid, started in live.items())
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     for pid, started in live.items():
         if start_time(pid) == started:
@@ -345,7 +378,7 @@ def _signal_session(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def start_time(pid: int) -> Optional[str]:
+def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks, or None once it has exited (a zombie has exited).
 
     Compared with a snapshot, it tells the same process from a later one that reuses the pid."""
@@ -388,6 +421,7 @@ def _kill_and_wait(tree: dict[int, str], *, timeout_s: float) -> None:
 
     Ray workers run in process groups of their own, so the SIGKILL to each node's group misses them;
     left alone they exit when they notice their raylet is gone, which can take seconds."""
+
     def survivors() -> list[int]:
         return [pid for pid, started in tree.items() if start_time(pid) == started]
 

@@ -15,7 +15,8 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from rayapp.errors import RayappError
 
@@ -83,7 +84,7 @@ def connect(address: str) -> Any:
 
 
 @contextlib.contextmanager
-def api_errors(address: str, submission_id: Optional[str] = None) -> Iterator[None]:
+def api_errors(address: str, submission_id: str | None = None) -> Iterator[None]:
     """Turn what the Jobs client raises into one line that says what to do."""
     import requests
     from ray.exceptions import AuthenticationError
@@ -102,7 +103,9 @@ def api_errors(address: str, submission_id: Optional[str] = None) -> Iterator[No
             "RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or copy it to ~/.ray/auth_token)"
         ) from None
     except (ConnectionError, requests.exceptions.ConnectionError):
-        raise RayappError(f"cannot reach the Ray Jobs API at {address}: nothing answers there; {TUNNEL_HINT}") from None
+        raise RayappError(
+            f"cannot reach the Ray Jobs API at {address}: nothing answers there; {TUNNEL_HINT}"
+        ) from None
     except requests.exceptions.RequestException as exc:
         raise RayappError(
             f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: {one_line(str(exc))}); {TUNNEL_HINT}"
@@ -115,7 +118,9 @@ def api_errors(address: str, submission_id: Optional[str] = None) -> Iterator[No
                 "lists its jobs"
             ) from None
         if "Version check returned 404" in text or "Jobs API is not supported" in text:
-            raise RayappError(f"{address} is not a Ray dashboard (no Jobs API there); {TUNNEL_HINT}") from None
+            raise RayappError(
+                f"{address} is not a Ray dashboard (no Jobs API there); {TUNNEL_HINT}"
+            ) from None
         raise RayappError(f"the Ray Jobs API at {address} refused the request: {text}") from None
 
 
@@ -132,7 +137,9 @@ def list_submissions(client: Any, address: str) -> list:
     return sorted(submitted, key=lambda job: job.start_time or 0, reverse=True)
 
 
-def stream_logs(client: Any, submission_id: str, address: str, write: Callable[[str], None]) -> None:
+def stream_logs(
+    client: Any, submission_id: str, address: str, write: Callable[[str], None]
+) -> None:
     """Hand the job's output to `write` as it comes, until the job ends."""
 
     async def pump() -> None:

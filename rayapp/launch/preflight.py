@@ -18,7 +18,9 @@ def resolve_backend(requested: str, *, gpus_in_cluster: float) -> str:
     if requested == "auto":
         return "nccl" if gpus_in_cluster > 0 else "gloo"
     if requested == "nccl" and gpus_in_cluster <= 0:
-        raise RayappError("backend 'nccl' needs GPUs, and this cluster has none; use --backend gloo (or auto)")
+        raise RayappError(
+            "backend 'nccl' needs GPUs, and this cluster has none; use --backend gloo (or auto)"
+        )
     if requested == "mpi":
         import torch.distributed as dist
 
@@ -38,7 +40,8 @@ def shortfall(spec: JobSpec, nodes: list[dict], *, use_gpu: bool) -> str | None:
     fitting = [
         node
         for node in alive
-        if node["Resources"].get("CPU", 0) >= per_node_cpus and node["Resources"].get("GPU", 0) >= per_node_gpus
+        if node["Resources"].get("CPU", 0) >= per_node_cpus
+        and node["Resources"].get("GPU", 0) >= per_node_gpus
     ]
     # An elastic run starts with its minimum and grows as nodes join.
     needed = spec.cluster.min_nodes if spec.cluster.elastic else spec.cluster.nodes
@@ -101,7 +104,9 @@ def check_local_machine(spec: JobSpec) -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec.cluster.backend == "nccl" and not gpus:
-        raise SpecError("cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto")
+        raise SpecError(
+            "cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto"
+        )
     if spec.single_process and gpus < 2:
         raise SpecError(
             f"train.strategy: {spec.train.strategy!r} needs at least 2 CUDA GPUs on one node and this machine "
@@ -113,11 +118,15 @@ def check_local_machine(spec: JobSpec) -> None:
             "from source against an MPI library (USE_MPI=1), or use gloo (CPU) / nccl (GPU)"
         )
     if spec.train.precision == "fp16" and not gpus:
-        raise SpecError("train.precision: 'fp16' is not accepted on CPUs (no CUDA GPU here; fp16 needs loss "
-                        "scaling on a GPU); use bf16, which CPUs run, or fp32")
+        raise SpecError(
+            "train.precision: 'fp16' is not accepted on CPUs (no CUDA GPU here; fp16 needs loss "
+            "scaling on a GPU); use bf16, which CPUs run, or fp32"
+        )
 
 
 def check_precision(spec: JobSpec, backend: str) -> None:
     """fp16 trains on GPUs only; on a connected cluster the backend says whether it has any."""
     if spec.train.precision == "fp16" and backend != "nccl":
-        raise SpecError(f"train.precision: 'fp16' is not accepted on a {backend} (CPU) cluster; use bf16 or fp32")
+        raise SpecError(
+            f"train.precision: 'fp16' is not accepted on a {backend} (CPU) cluster; use bf16 or fp32"
+        )

@@ -19,12 +19,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import urlparse
 
 from rayapp.errors import RayappError
 from rayapp.launch import working_dir
-from rayapp.launch.jobs_api import DEFAULT_DASHBOARD_ADDRESS, connect, normalize_address, submit_with_retry
+from rayapp.launch.jobs_api import (
+    DEFAULT_DASHBOARD_ADDRESS,
+    connect,
+    normalize_address,
+    submit_with_retry,
+)
 from rayapp.spec import JobSpec
 from rayapp.spec.loader import spec_document
 from rayapp.tracking.run import resolve_tracking_uri
@@ -51,11 +56,11 @@ class Submission:
     address: str
     tracking_uri: str
     client: Any
-    code_from: Optional[str] = None
+    code_from: str | None = None
     """The directory of the user's code that went with the job, if any."""
 
 
-def submit(spec: JobSpec, *, job_yaml: Optional[str], schedule_timeout_s: float) -> Submission:
+def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) -> Submission:
     """Submit `spec` as a Ray job to the Jobs API at spec.cluster.address.
 
     job_yaml is only the file the spec was read from; the job runs the resolved spec, so the
@@ -67,13 +72,23 @@ def submit(spec: JobSpec, *, job_yaml: Optional[str], schedule_timeout_s: float)
     submission_id = new_submission_id(spec.name)
     entrypoint = " ".join(
         shlex.quote(part)
-        for part in ("python", "-m", JOB_ENTRY_MODULE, "submit", JOB_FILE, "--schedule-timeout", f"{schedule_timeout_s:g}")
+        for part in (
+            "python",
+            "-m",
+            JOB_ENTRY_MODULE,
+            "submit",
+            JOB_FILE,
+            "--schedule-timeout",
+            f"{schedule_timeout_s:g}",
+        )
     )
     code_dir = working_dir.code_directory(spec, job_yaml)
     with tempfile.TemporaryDirectory(prefix="rayapp-job-") as directory:
         if code_dir is not None:
             plan = working_dir.plan(code_dir)  # refuses a directory over Ray's upload limit
-            shutil.copytree(code_dir, directory, dirs_exist_ok=True, ignore=_ignore(code_dir, plan.excludes))
+            shutil.copytree(
+                code_dir, directory, dirs_exist_ok=True, ignore=_ignore(code_dir, plan.excludes)
+            )
             spec = _relative_to(spec, code_dir)
         Path(directory, JOB_FILE).write_text(remote_job_yaml(spec, tracking_uri), encoding="utf-8")
         submit_job = functools.partial(
@@ -81,11 +96,16 @@ def submit(spec: JobSpec, *, job_yaml: Optional[str], schedule_timeout_s: float)
             entrypoint=entrypoint,
             submission_id=submission_id,
             runtime_env={"working_dir": directory, "env_vars": driver_env_vars(tracking_uri)},
-            metadata={"rayapp_job": spec.name, "rayapp_nodes": str(spec.cluster.nodes),
-                      "rayapp_job_file": str(job_yaml or "")},
+            metadata={
+                "rayapp_job": spec.name,
+                "rayapp_nodes": str(spec.cluster.nodes),
+                "rayapp_job_file": str(job_yaml or ""),
+            },
         )
         submit_with_retry(submit_job, address)
-    return Submission(submission_id, address, tracking_uri, client, str(code_dir) if code_dir else None)
+    return Submission(
+        submission_id, address, tracking_uri, client, str(code_dir) if code_dir else None
+    )
 
 
 def _relative_to(spec: JobSpec, code_dir: Path) -> JobSpec:
@@ -94,10 +114,14 @@ def _relative_to(spec: JobSpec, code_dir: Path) -> JobSpec:
     if train.script:
         script = Path(train.script).expanduser().resolve()
         if not script.is_relative_to(code_dir):
-            raise RayappError(f"--script {train.script!r} is outside {code_dir}, the directory that goes with the "
-                              "job; pass --working-dir with a directory that holds it")
+            raise RayappError(
+                f"--script {train.script!r} is outside {code_dir}, the directory that goes with the "
+                "job; pass --working-dir with a directory that holds it"
+            )
         train = dataclasses.replace(train, script=script.relative_to(code_dir).as_posix())
-    return dataclasses.replace(spec, train=train, cluster=dataclasses.replace(spec.cluster, working_dir=None))
+    return dataclasses.replace(
+        spec, train=train, cluster=dataclasses.replace(spec.cluster, working_dir=None)
+    )
 
 
 def _ignore(root: Path, excludes: list[str]):
@@ -108,9 +132,12 @@ def _ignore(root: Path, excludes: list[str]):
         import fnmatch
 
         relative = Path(directory).relative_to(root)
-        return {entry for entry in entries
-                if any(fnmatch.fnmatch(entry, pattern) for pattern in names)
-                or (relative / entry).as_posix() in anchored}
+        return {
+            entry
+            for entry in entries
+            if any(fnmatch.fnmatch(entry, pattern) for pattern in names)
+            or (relative / entry).as_posix() in anchored
+        }
 
     return ignore
 
@@ -120,8 +147,10 @@ def cluster_tracking_uri(spec: JobSpec, address: str) -> str:
     given = spec.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     uri = resolve_tracking_uri(spec.tracking.tracking_uri)
     if is_local_store(uri):
-        source = "--tracking-uri" if spec.tracking.tracking_uri else (
-            "$MLFLOW_TRACKING_URI" if given else "the default MLflow store"
+        source = (
+            "--tracking-uri"
+            if spec.tracking.tracking_uri
+            else ("$MLFLOW_TRACKING_URI" if given else "the default MLflow store")
         )
         raise RayappError(
             f"{source} {uri!r} is a store on this machine, which the Ray cluster at {address} cannot write to; "

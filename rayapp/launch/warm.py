@@ -21,8 +21,8 @@ import secrets
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from rayapp.errors import RayappError
 from rayapp.launch.cluster import EmbeddedCluster, auth_env, start_time, stop_leaders, use_token
@@ -62,7 +62,9 @@ class WarmCluster:
 
     @property
     def alive(self) -> bool:
-        return bool(self.leaders) and all(start_time(pid) == started for pid, started in self.leaders.items())
+        return bool(self.leaders) and all(
+            start_time(pid) == started for pid, started in self.leaders.items()
+        )
 
     @property
     def auth_env(self) -> dict[str, str]:
@@ -88,7 +90,7 @@ def driver_socket() -> Path:
     return state_file().with_name(DRIVER_SOCKET_NAME)
 
 
-def preloaded_driver_socket() -> Optional[Path]:
+def preloaded_driver_socket() -> Path | None:
     """The socket of the warm cluster's preloaded driver while it and the cluster are alive."""
     try:
         record = _read(state_file())
@@ -128,7 +130,7 @@ def _running(processes: dict[int, str]) -> bool:
     return any(start_time(pid) == started for pid, started in processes.items())
 
 
-def find(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster]:
+def find(status: Callable[[str], None] = lambda _: None) -> WarmCluster | None:
     """The warm cluster when one is alive; a record whose processes are gone is removed, and said."""
     path = state_file()
     try:
@@ -144,35 +146,58 @@ def find(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster
     stop_driver(record.driver)
     stop_leaders(record.leaders)  # any node of it that is still up (one died, the rest did not)
     _forget(record, path)
-    status(f"removed a stale warm-cluster record {path}: its nodes are gone (stopped, or the machine restarted)")
+    status(
+        f"removed a stale warm-cluster record {path}: its nodes are gone (stopped, or the machine restarted)"
+    )
     return None
 
 
-def up(nodes: int, cpus_per_node: int, gpus_per_node: int = 0,
-       status: Callable[[str], None] = lambda _: None) -> WarmCluster:
+def up(
+    nodes: int,
+    cpus_per_node: int,
+    gpus_per_node: int = 0,
+    status: Callable[[str], None] = lambda _: None,
+) -> WarmCluster:
     """Start a warm cluster and record it; RayappError if one is running already."""
     running = find(status)
     if running is not None:
-        raise RayappError(f"a warm cluster is already running: {running.describe()} "
-                          f"(record: {state_file()}); `rayapp cluster down` stops it")
+        raise RayappError(
+            f"a warm cluster is already running: {running.describe()} "
+            f"(record: {state_file()}); `rayapp cluster down` stops it"
+        )
     import ray
 
     status(f"starting a warm Ray cluster: {nodes} node(s) x {cpus_per_node} CPU(s)")
-    cluster = EmbeddedCluster(nodes=nodes, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node,
-                              token=secrets.token_hex(32))
+    cluster = EmbeddedCluster(
+        nodes=nodes,
+        cpus_per_node=cpus_per_node,
+        gpus_per_node=gpus_per_node,
+        token=secrets.token_hex(32),
+    )
     try:
         cluster.start()
         cluster.prepare_client()
-        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False,
-                 logging_level="ERROR")
+        ray.init(
+            address=cluster.address,
+            _node_ip_address=cluster.head_ip,
+            log_to_driver=False,
+            logging_level="ERROR",
+        )
         try:
             cluster.wait_for_nodes()
         finally:
             ray.shutdown()
         record = WarmCluster(
-            address=cluster.address, head_ip=cluster.head_ip, nodes=nodes, cpus_per_node=cpus_per_node,
-            gpus_per_node=gpus_per_node, token=cluster.token, leaders=cluster.leaders,
-            log_dir=str(cluster.log_dir), temp_dirs=cluster.temp_dirs, started_at=time.time(),
+            address=cluster.address,
+            head_ip=cluster.head_ip,
+            nodes=nodes,
+            cpus_per_node=cpus_per_node,
+            gpus_per_node=gpus_per_node,
+            token=cluster.token,
+            leaders=cluster.leaders,
+            log_dir=str(cluster.log_dir),
+            temp_dirs=cluster.temp_dirs,
+            started_at=time.time(),
         )
         _write(record, state_file())
     except BaseException:
@@ -182,7 +207,7 @@ def up(nodes: int, cpus_per_node: int, gpus_per_node: int = 0,
     return record
 
 
-def down(status: Callable[[str], None] = lambda _: None) -> Optional[WarmCluster]:
+def down(status: Callable[[str], None] = lambda _: None) -> WarmCluster | None:
     """Stop the warm cluster and remove its record; None when none was running."""
     record = find(status)
     if record is None:

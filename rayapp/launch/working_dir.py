@@ -13,14 +13,27 @@ import fnmatch
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from rayapp.spec import JobSpec, SpecError
 from rayapp.spec.job import is_import_path
 
 # Never code: version control, caches, environments, and what rayapp itself writes beside a job.
-EXCLUDED_NAMES = (".git", "__pycache__", "*.pyc", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache",
-                  "node_modules", "mlruns", "mlartifacts", "mlflow.db", "rayapp_results", "*.egg-info")
+EXCLUDED_NAMES = (
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    "venv",
+    ".tox",
+    ".mypy_cache",
+    ".pytest_cache",
+    "node_modules",
+    "mlruns",
+    "mlartifacts",
+    "mlflow.db",
+    "rayapp_results",
+    "*.egg-info",
+)
 LARGE_FILE_BYTES = 10 * 2**20
 """Ray warns about files this large in a working_dir; rayapp leaves them out and says so (data
 sets belong in shared storage the workers read, not in the code upload)."""
@@ -51,18 +64,26 @@ class WorkingDir:
 
 def names_user_code(spec: JobSpec) -> bool:
     """Whether the job imports the user's code on the workers."""
-    paths = (spec.model.factory, spec.data.factory, spec.train.loop, spec.train.loss, spec.train.optimizer)
+    paths = (
+        spec.model.factory,
+        spec.data.factory,
+        spec.train.loop,
+        spec.train.loss,
+        spec.train.optimizer,
+    )
     return spec.train.script is not None or any(is_import_path(p) for p in paths if p)
 
 
-def code_directory(spec: JobSpec, job_file: Optional[str]) -> Optional[Path]:
+def code_directory(spec: JobSpec, job_file: str | None) -> Path | None:
     """cluster.working_dir; else, when the job names the user's code, the job file's directory (the
     script's for a job given by --script alone); else None: nothing needs to travel."""
     if spec.cluster.working_dir:
         directory = Path(spec.cluster.working_dir).expanduser()
         if not directory.is_dir():
-            raise SpecError(f"cluster.working_dir: {spec.cluster.working_dir!r} is not a directory; "
-                            "pass the directory that holds your code (--working-dir DIR)")
+            raise SpecError(
+                f"cluster.working_dir: {spec.cluster.working_dir!r} is not a directory; "
+                "pass the directory that holds your code (--working-dir DIR)"
+            )
         return directory.resolve()
     if not names_user_code(spec):
         return None

@@ -15,12 +15,12 @@ import ipaddress
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
 
 from rayapp.errors import RayappError
-from rayapp.spec.cluster import size_label
 from rayapp.reports.tables import epoch_values, steady_median
+from rayapp.spec.cluster import size_label
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ class RunSummary:
     cpu_percent_by_node: dict[str, float] = field(default_factory=dict)
     """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine figure,
     100 = every core busy), by node IP in address order."""
-    min_nodes: Optional[int] = None
+    min_nodes: int | None = None
     """An elastic run's fewest nodes (``nodes`` is then its most); None for a fixed size."""
-    min_world_size: Optional[int] = None
+    min_world_size: int | None = None
 
     @property
     def elastic(self) -> bool:
@@ -86,20 +86,34 @@ class RunSummary:
     def group(self) -> tuple[str, str, str, str, str]:
         """Runs compared with each other. An elastic run's world size changed while it ran, so it is
         compared only with runs of the same range, never taken for (or as the baseline of) fixed ones."""
-        return (self.job, self.scaling, self.strategy, self.backend, f"elastic {self.nodes_label}" if self.elastic else "")
+        return (
+            self.job,
+            self.scaling,
+            self.strategy,
+            self.backend,
+            f"elastic {self.nodes_label}" if self.elastic else "",
+        )
 
     @property
     def time_parts(self) -> dict[str, float]:
         """The median steady epoch's parts, unmeasured ones as 0: they add up to epoch_time_s
         unless the parts alone exceed it (each is the slowest rank's, and those may differ)."""
-        parts = {"compute": self.compute_s, "comm": self.comm_s, "data": self.data_s, "other": self.other_s}
+        parts = {
+            "compute": self.compute_s,
+            "comm": self.comm_s,
+            "data": self.data_s,
+            "other": self.other_s,
+        }
         return {name: 0.0 if math.isnan(value) else value for name, value in parts.items()}
 
 
 def _steady_history(client, run_id: str, key: str, steady_steps: set[int]) -> dict[int, float]:
     """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not measured')."""
-    return {m.step: m.value for m in client.get_metric_history(run_id, key)
-            if m.step in steady_steps and math.isfinite(m.value)}
+    return {
+        m.step: m.value
+        for m in client.get_metric_history(run_id, key)
+        if m.step in steady_steps and math.isfinite(m.value)
+    }
 
 
 def _median_or_nan(values: Iterable[float]) -> float:
@@ -110,14 +124,22 @@ def _median_or_nan(values: Iterable[float]) -> float:
 def time_breakdown(client, run_id: str, epoch_time_s: float) -> dict[str, float]:
     """compute_s, comm_s, data_s and other_s of the median steady epoch (see RunSummary)."""
     epochs = sorted(m.step for m in client.get_metric_history(run_id, "epoch_time_s"))
-    steady = set(epochs[1:] if len(epochs) > 1 else epochs)  # the same warm-up rule as steady_median
+    steady = set(
+        epochs[1:] if len(epochs) > 1 else epochs
+    )  # the same warm-up rule as steady_median
     compute = _steady_history(client, run_id, "compute_time_s", steady)
     comm = _steady_history(client, run_id, "comm_time_s", steady)
     data = _steady_history(client, run_id, "data_time_s", steady)
     # compute_time_s spans forward, backward and step, so it holds the all-reduce that backward does
     # not hide; take comm out per epoch so the bar does not count it twice.
-    compute_only = _median_or_nan(max(value - comm.get(step, 0.0), 0.0) for step, value in compute.items())
-    parts = {"compute_s": compute_only, "comm_s": _median_or_nan(comm.values()), "data_s": _median_or_nan(data.values())}
+    compute_only = _median_or_nan(
+        max(value - comm.get(step, 0.0), 0.0) for step, value in compute.items()
+    )
+    parts = {
+        "compute_s": compute_only,
+        "comm_s": _median_or_nan(comm.values()),
+        "data_s": _median_or_nan(data.values()),
+    }
     timed = sum(value for value in parts.values() if not math.isnan(value))
     return {**parts, "other_s": max(epoch_time_s - timed, 0.0)}
 
@@ -132,7 +154,11 @@ def _address_order(node: str) -> tuple:
 def cpu_by_node(client, run) -> dict[str, float]:
     """Mean CPU utilisation of each node over the run, from the system metrics its sampler logged."""
     prefix, suffix = "system/", "/cpu_utilization_percentage"
-    nodes = [key[len(prefix):-len(suffix)] for key in run.data.metrics if key.startswith(prefix) and key.endswith(suffix)]
+    nodes = [
+        key[len(prefix) : -len(suffix)]
+        for key in run.data.metrics
+        if key.startswith(prefix) and key.endswith(suffix)
+    ]
     means = {}
     for node in sorted(nodes, key=_address_order):
         history = client.get_metric_history(run.info.run_id, f"{prefix}{node}{suffix}")
@@ -146,10 +172,14 @@ def summarize_run(client, run) -> RunSummary:
     params = run.data.params
     missing = [key for key in ("job", "nodes", "world_size") if key not in params]
     if missing:
-        raise RayappError(f"run {run_id} has no {', '.join(missing)} param(s); it was not logged by rayapp")
+        raise RayappError(
+            f"run {run_id} has no {', '.join(missing)} param(s); it was not logged by rayapp"
+        )
     epoch_times = epoch_values(client, run_id, "epoch_time_s")
     if not epoch_times:
-        raise RayappError(f"run {run_id} ({run.info.run_name}) logged no epoch_time_s; did it finish an epoch?")
+        raise RayappError(
+            f"run {run_id} ({run.info.run_name}) logged no epoch_time_s; did it finish an epoch?"
+        )
     comm_times = epoch_values(client, run_id, "comm_time_s")
     shares = [c / e for c, e in zip(comm_times, epoch_times) if e > 0]
     memory = epoch_values(client, run_id, "peak_mem_mb")
@@ -180,7 +210,7 @@ def summarize_run(client, run) -> RunSummary:
     )
 
 
-def _size_range(text: str, run_id: str, param: str) -> tuple[Optional[int], int]:
+def _size_range(text: str, run_id: str, param: str) -> tuple[int | None, int]:
     """A size param: ``2`` -> (None, 2); an elastic run's ``1:2`` -> (1, 2)."""
     low, sep, high = text.partition(":")
     try:
@@ -222,9 +252,9 @@ def with_scaling(summaries: Iterable[RunSummary]) -> list[RunSummary]:
 def load_summaries(
     tracking_uri: str,
     *,
-    experiment: Optional[str] = None,
+    experiment: str | None = None,
     run_ids: Iterable[str] = (),
-    parent_run_id: Optional[str] = None,
+    parent_run_id: str | None = None,
 ) -> list[RunSummary]:
     """Runs named by id, or the finished rayapp runs of an experiment (children of parent_run_id if given)."""
     from mlflow.exceptions import MlflowException
@@ -290,7 +320,9 @@ def _cell(value, fmt: str) -> str:
 
 def _shown(summary: RunSummary, name: str):
     """A column's value; sizes as their labels (an elastic run's ``1:2``)."""
-    return {"nodes": summary.nodes_label, "world_size": summary.world_label}.get(name, getattr(summary, name))
+    return {"nodes": summary.nodes_label, "world_size": summary.world_label}.get(
+        name, getattr(summary, name)
+    )
 
 
 def _csv_value(value):
@@ -322,7 +354,9 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
     caption = CAPTION + (ELASTIC_CAPTION if any(s.elastic for s in summaries) else "")
     table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=caption)
     for _, title, f in COLUMNS:
-        table.add_column(title, justify="left" if f == "{}" or title in ("run", "cpu % per node") else "right")
+        table.add_column(
+            title, justify="left" if f == "{}" or title in ("run", "cpu % per node") else "right"
+        )
     for row in rows:
         table.add_row(*row)
     # As wide as the table wants (at least 220): squeezed, rich would cut run ids and wrap the

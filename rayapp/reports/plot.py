@@ -52,11 +52,21 @@ def draw_scaling(throughput_axis: Axes, efficiency_axis: Axes, summaries: list[R
         workers = [s.world_size for s in runs]
         base = runs[0]
         ideal = [base.samples_per_s * w / base.world_size for w in workers]
-        (line,) = throughput_axis.plot(workers, [s.samples_per_s for s in runs], "o-", label=f"{label} measured")
-        throughput_axis.plot(workers, ideal, "--", color=line.get_color(), alpha=0.6, label=f"{label} ideal")
-        efficiency_axis.plot(workers, [100 * s.efficiency for s in runs], "o-", color=line.get_color(), label=label)
-    throughput_axis.set(title=SCALING_TITLES[0], xlabel="workers (world size)", ylabel="samples / s")
-    efficiency_axis.set(title=SCALING_TITLES[1], xlabel="workers (world size)", ylabel="% of ideal", ylim=(0, 110))
+        (line,) = throughput_axis.plot(
+            workers, [s.samples_per_s for s in runs], "o-", label=f"{label} measured"
+        )
+        throughput_axis.plot(
+            workers, ideal, "--", color=line.get_color(), alpha=0.6, label=f"{label} ideal"
+        )
+        efficiency_axis.plot(
+            workers, [100 * s.efficiency for s in runs], "o-", color=line.get_color(), label=label
+        )
+    throughput_axis.set(
+        title=SCALING_TITLES[0], xlabel="workers (world size)", ylabel="samples / s"
+    )
+    efficiency_axis.set(
+        title=SCALING_TITLES[1], xlabel="workers (world size)", ylabel="% of ideal", ylim=(0, 110)
+    )
     efficiency_axis.axhline(100, color="grey", linewidth=0.8, linestyle=":")
     all_workers = sorted({s.world_size for s in summaries})
     for axis in (throughput_axis, efficiency_axis):
@@ -80,30 +90,67 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
             x += 1.0
         x += 0.5  # a gap between groups, so bars are compared within one
     ideals = [s.ideal_epoch_s for s in ordered if math.isfinite(s.ideal_epoch_s)]
-    top = max([s.epoch_time_s for s in ordered] + [sum(s.time_parts.values()) for s in ordered] + ideals + [0.0])
+    top = max(
+        [s.epoch_time_s for s in ordered]
+        + [sum(s.time_parts.values()) for s in ordered]
+        + ideals
+        + [0.0]
+    )
     bottoms = [0.0] * len(ordered)
     for part, (label, colour) in PART_STYLES.items():
         heights = [summary.time_parts[part] for summary in ordered]
-        axis.bar(positions, heights, width=0.6, bottom=bottoms, color=colour, label=label, edgecolor="white")
+        axis.bar(
+            positions,
+            heights,
+            width=0.6,
+            bottom=bottoms,
+            color=colour,
+            label=label,
+            edgecolor="white",
+        )
         for position, summary, bottom, height in zip(positions, ordered, bottoms, heights):
             # The share of the epoch, printed only where the segment is tall enough to hold it.
             if top > 0 and height / top >= 0.06 and summary.epoch_time_s > 0:
-                axis.text(position, bottom + height / 2, f"{height / summary.epoch_time_s:.0%}",
-                          ha="center", va="center", fontsize=7)
+                axis.text(
+                    position,
+                    bottom + height / 2,
+                    f"{height / summary.epoch_time_s:.0%}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ideal_label = "ideal epoch time (perfect scaling)"
     for position, summary, height in zip(positions, ordered, bottoms):
         if math.isnan(summary.compute_s) and math.isnan(summary.data_s):
             note = "\nsteps not timed"  # a run from before the step timers, or a script's own loop
         else:
-            note = "" if math.isfinite(summary.comm_s) else "\ncomm not measured"  # FSDP: inside compute
+            note = (
+                "" if math.isfinite(summary.comm_s) else "\ncomm not measured"
+            )  # FSDP: inside compute
         # Above the bar and its ideal mark, whichever is higher, so neither hides the figure.
-        label_at = max(height, summary.ideal_epoch_s if math.isfinite(summary.ideal_epoch_s) else 0.0)
-        axis.annotate(f"{summary.epoch_time_s:.3g} s{note}", (position, label_at), xytext=(0, 3),
-                      textcoords="offset points", ha="center", va="bottom", fontsize=7)
+        label_at = max(
+            height, summary.ideal_epoch_s if math.isfinite(summary.ideal_epoch_s) else 0.0
+        )
+        axis.annotate(
+            f"{summary.epoch_time_s:.3g} s{note}",
+            (position, label_at),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
         if math.isfinite(summary.ideal_epoch_s):
-            axis.hlines(summary.ideal_epoch_s, position - 0.38, position + 0.38, colors="black", linestyles="--",
-                        linewidth=1.2, label=ideal_label)
+            axis.hlines(
+                summary.ideal_epoch_s,
+                position - 0.38,
+                position + 0.38,
+                colors="black",
+                linestyles="--",
+                linewidth=1.2,
+                label=ideal_label,
+            )
             ideal_label = None  # one legend entry for all the marks
     axis.set_xticks(positions, labels, fontsize=8)
     axis.set_ylim(0, top * 1.18 if top > 0 else 1.0)  # room for the labels above the bars

@@ -23,18 +23,35 @@ def steady_median(values: list[float]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-def recent_runs_table(tracking_uri: str, experiment: str, limit: int, console: Console | None = None) -> None:
+def recent_runs_table(
+    tracking_uri: str, experiment: str, limit: int, console: Console | None = None
+) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise RayappError(f"experiment {experiment!r} does not exist in {tracking_uri}; run `rayapp submit` first")
-    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    table = Table(title=f"{experiment}: {len(runs)} most recent run(s)",
-                  caption="startup s: submission to the first training step (time_to_first_step_s)")
+        raise RayappError(
+            f"experiment {experiment!r} does not exist in {tracking_uri}; run `rayapp submit` first"
+        )
+    runs = client.search_runs(
+        [found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit
+    )
+    table = Table(
+        title=f"{experiment}: {len(runs)} most recent run(s)",
+        caption="startup s: submission to the first training step (time_to_first_step_s)",
+    )
     numeric = ("nodes", "world", "final loss", "median epoch s", "startup s", "total s")
-    for column in ("run id", "name", "status", "started", "nodes", "world", "strategy", *numeric[2:]):
+    for column in (
+        "run id",
+        "name",
+        "status",
+        "started",
+        "nodes",
+        "world",
+        "strategy",
+        *numeric[2:],
+    ):
         table.add_column(column, justify="right" if column in numeric else "left")
     for run in runs:
         params, metrics = run.data.params, run.data.metrics

@@ -2,8 +2,8 @@
 from defaults < job YAML < command-line flags. Imports nothing else of rayapp."""
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
-from rayapp.spec.errors import SpecError
 from rayapp.spec.cluster import BACKENDS, ClusterSpec
+from rayapp.spec.errors import SpecError
 from rayapp.spec.job import (
     SCALINGS,
     DataSpec,
@@ -14,6 +14,18 @@ from rayapp.spec.job import (
 )
 
 __all__ = [
-    "BACKENDS", "SCALINGS", "DATASETS", "LOSSES", "MODELS", "OPTIMIZERS", "STRATEGIES",
-    "SpecError", "JobSpec", "ModelSpec", "DataSpec", "TrainSpec", "ClusterSpec", "TrackingSpec",
+    "BACKENDS",
+    "SCALINGS",
+    "DATASETS",
+    "LOSSES",
+    "MODELS",
+    "OPTIMIZERS",
+    "STRATEGIES",
+    "SpecError",
+    "JobSpec",
+    "ModelSpec",
+    "DataSpec",
+    "TrainSpec",
+    "ClusterSpec",
+    "TrackingSpec",
 ]

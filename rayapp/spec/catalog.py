@@ -7,32 +7,54 @@ from __future__ import annotations
 from rayapp.spec.registry import Registry
 
 MODELS = Registry("model.kind")
-MODELS.register("linear", "rayapp.train.models:build_linear", "nn.Linear(in, out): the article's model", hidden="none")
-MODELS.register("mlp", "rayapp.train.models:build_mlp", "Linear+ReLU layers of model.hidden widths", hidden="required")
+MODELS.register(
+    "linear",
+    "rayapp.train.models:build_linear",
+    "nn.Linear(in, out): the article's model",
+    hidden="none",
+)
+MODELS.register(
+    "mlp",
+    "rayapp.train.models:build_mlp",
+    "Linear+ReLU layers of model.hidden widths",
+    hidden="required",
+)
 
 DATASETS = Registry("data.kind")
 DATASETS.register(
-    "random", "rayapp.train.data:random_regression",
+    "random",
+    "rayapp.train.data:random_regression",
     "fresh Gaussian inputs and targets, as in the article: nothing to learn, only work to do",
-    classification=False, fixed_size=False,
+    classification=False,
+    fixed_size=False,
 )
 DATASETS.register(
-    "synthetic", "rayapp.train.data:synthetic_regression",
+    "synthetic",
+    "rayapp.train.data:synthetic_regression",
     "a fixed, seeded regression set whose target a model can learn",
-    classification=False, fixed_size=False,
+    classification=False,
+    fixed_size=False,
 )
 DIGITS_TOTAL_SAMPLES = 1797
-DIGITS_TEST_SAMPLES = round(DIGITS_TOTAL_SAMPLES * 0.2)  # a fixed 80/20 split keeps accuracy comparable
+DIGITS_TEST_SAMPLES = round(
+    DIGITS_TOTAL_SAMPLES * 0.2
+)  # a fixed 80/20 split keeps accuracy comparable
 DATASETS.register(
-    "digits", "rayapp.train.data:digits",
+    "digits",
+    "rayapp.train.data:digits",
     "scikit-learn's bundled 8x8 handwritten digits (real data, 10 classes, 80/20 split)",
-    classification=True, fixed_size=True, input_size=64, output_size=10,
+    classification=True,
+    fixed_size=True,
+    input_size=64,
+    output_size=10,
     train_samples=DIGITS_TOTAL_SAMPLES - DIGITS_TEST_SAMPLES,
 )
 
 LOSSES = Registry("train.loss")
 LOSSES.register("mse", "torch.nn:MSELoss", "mean squared error (regression)")
-LOSSES.register("cross_entropy", "torch.nn:CrossEntropyLoss", "cross entropy over class logits (classification)")
+LOSSES.register(
+    "cross_entropy", "torch.nn:CrossEntropyLoss", "cross entropy over class logits (classification)"
+)
 
 OPTIMIZERS = Registry("train.optimizer")
 OPTIMIZERS.register("sgd", "torch.optim:SGD")
@@ -40,18 +62,32 @@ OPTIMIZERS.register("adam", "torch.optim:Adam")
 OPTIMIZERS.register("adamw", "torch.optim:AdamW")
 
 STRATEGIES = Registry("train.strategy")
-STRATEGIES.register("ddp", "rayapp.train.strategies:apply_ddp", "DistributedDataParallel: one replica per worker")
-STRATEGIES.register("fsdp", "rayapp.train.strategies:apply_fsdp", "FSDP2 fully_shard: parameters sharded over workers")
 STRATEGIES.register(
-    "dp", "rayapp.train.strategies:apply_dp", "nn.DataParallel over the GPUs of one node, one process",
-    single_process=True, min_gpus=2,
+    "ddp", "rayapp.train.strategies:apply_ddp", "DistributedDataParallel: one replica per worker"
 )
 STRATEGIES.register(
-    "mp", "rayapp.train.strategies:apply_mp", "the model's layers split across two GPUs of one node, one process",
-    single_process=True, min_gpus=2, needs_sequential=True,
+    "fsdp",
+    "rayapp.train.strategies:apply_fsdp",
+    "FSDP2 fully_shard: parameters sharded over workers",
 )
 STRATEGIES.register(
-    "pp", "rayapp.train.pipeline:apply_pp",
+    "dp",
+    "rayapp.train.strategies:apply_dp",
+    "nn.DataParallel over the GPUs of one node, one process",
+    single_process=True,
+    min_gpus=2,
+)
+STRATEGIES.register(
+    "mp",
+    "rayapp.train.strategies:apply_mp",
+    "the model's layers split across two GPUs of one node, one process",
+    single_process=True,
+    min_gpus=2,
+    needs_sequential=True,
+)
+STRATEGIES.register(
+    "pp",
+    "rayapp.train.pipeline:apply_pp",
     "pipeline parallelism: the model's layers in stages, one per worker, fed micro-batches (train.pipeline)",
     # Settings pp cannot honour: (what it accepts, why).
     only_with={
@@ -59,8 +95,14 @@ STRATEGIES.register(
         "train.script": ((None,), "it runs rayapp's built-in loop"),
         "train.compile": ((False,), "its stages are not compiled"),
         "train.grad_accum_steps": ((1,), "train.pipeline.microbatches splits each batch instead"),
-        "train.grad_clip": ((None,), "each stage sees only its own gradients, not their global norm"),
-        "train.precision": (("fp32", "bf16"), "fp16's loss scaling is not applied inside the pipeline schedule"),
+        "train.grad_clip": (
+            (None,),
+            "each stage sees only its own gradients, not their global norm",
+        ),
+        "train.precision": (
+            ("fp32", "bf16"),
+            "fp16's loss scaling is not applied inside the pipeline schedule",
+        ),
         "checkpoint.format": (("dcp",), "each stage saves its own part of the model"),
         "tracking.log_every_steps": ((0,), "step-level metrics would count every stage's samples"),
     },

@@ -10,7 +10,9 @@ from rayapp.spec.errors import SpecError
 
 def check_one_of(field_name: str, value: object, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use one of: {', '.join(accepted)}")
+        raise SpecError(
+            f"{field_name}: {value!r} is not accepted; use one of: {', '.join(accepted)}"
+        )
 
 
 def check_positive_int(field_name: str, value: object) -> None:
@@ -28,7 +30,9 @@ def is_import_path(value: object) -> bool:
 
 def check_import_path(field_name: str, value: object) -> None:
     if value is not None and not is_import_path(value):
-        raise SpecError(f"{field_name}: {value!r} is not accepted; use an import path module:function, e.g. mymodels:build")
+        raise SpecError(
+            f"{field_name}: {value!r} is not accepted; use an import path module:function, e.g. mymodels:build"
+        )
 
 
 def check_mapping(field_name: str, value: object) -> None:
@@ -47,7 +51,12 @@ def check_one_source(section: str, kind: object, factory: object) -> None:
 
 
 def check_positive_number(field_name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or value != value
+    ):
         raise SpecError(f"{field_name}: {value!r} is not accepted; use a number > 0")
 
 

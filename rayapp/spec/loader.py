@@ -5,13 +5,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import yaml
 
 from rayapp.spec.job import (
-    CheckpointSpec, ClusterSpec, DataSpec, JobSpec, ModelSpec, PipelineSpec, SpecError, TrackingSpec, TrainSpec,
+    CheckpointSpec,
+    ClusterSpec,
+    DataSpec,
+    JobSpec,
+    ModelSpec,
+    PipelineSpec,
+    SpecError,
+    TrackingSpec,
+    TrainSpec,
 )
 
 SECTIONS: dict[str, type] = {
@@ -45,11 +54,15 @@ def read_job_yaml(path: str | Path) -> dict[str, Any]:
     """Parse a job file into a mapping, with one-line errors for anything unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise SpecError(f"job file {str(path)!r} does not exist; pass a job YAML such as jobs/seed_linear.yaml")
+        raise SpecError(
+            f"job file {str(path)!r} does not exist; pass a job YAML such as jobs/seed_linear.yaml"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"job file {str(path)!r} cannot be read as UTF-8 text: {exc.__class__.__name__}") from None
+        raise SpecError(
+            f"job file {str(path)!r} cannot be read as UTF-8 text: {exc.__class__.__name__}"
+        ) from None
     return parse_job_yaml(text, source=str(path))
 
 
@@ -63,16 +76,30 @@ _JobYamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+_JobYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:
     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
     |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
-_JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"""^(?:
+    |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+_JobYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(
+        r"""^(?:
     [-+]?0b[0-1_]+
     |[-+]?0[0-7_]+
     |[-+]?(?:0|[1-9][0-9_]*)
-    |[-+]?0x[0-9a-fA-F_]+)$""", re.X), list("-+0123456789"))
+    |[-+]?0x[0-9a-fA-F_]+)$""",
+        re.X,
+    ),
+    list("-+0123456789"),
+)
 
 
 def parse_job_yaml(text: str, *, source: str = "<job>") -> dict[str, Any]:
@@ -96,11 +123,15 @@ def parse_job_yaml(text: str, *, source: str = "<job>") -> dict[str, Any]:
 def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dict[str, Any]:
     values = document.get(section) or {}
     if not isinstance(values, dict):
-        raise SpecError(f"{section}: {values!r} is not accepted; use a mapping of {', '.join(_yaml_keys(section, cls))}")
+        raise SpecError(
+            f"{section}: {values!r} is not accepted; use a mapping of {', '.join(_yaml_keys(section, cls))}"
+        )
     accepted = _yaml_keys(section, cls)
     for key in values:
         if key not in accepted:
-            raise SpecError(f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
+            raise SpecError(
+                f"{section}.{key}: unknown key; accepted keys are {', '.join(accepted)}"
+            )
     aliases = YAML_ALIASES.get(section, {})
     values = {aliases.get(key, key): value for key, value in values.items()}
     for (outer, key), cls in NESTED.items():
@@ -121,7 +152,9 @@ def _section_values(document: Mapping[str, Any], section: str, cls: type) -> dic
 def _nested_values(dotted: str, values: Any, cls: type) -> dict[str, Any]:
     accepted = _field_names(cls)
     if not isinstance(values, dict):
-        raise SpecError(f"{dotted}: {values!r} is not accepted; use a mapping of {', '.join(accepted)}")
+        raise SpecError(
+            f"{dotted}: {values!r} is not accepted; use a mapping of {', '.join(accepted)}"
+        )
     for key in values:
         if key not in accepted:
             raise SpecError(f"{dotted}.{key}: unknown key; accepted keys are {', '.join(accepted)}")
@@ -130,7 +163,7 @@ def _nested_values(dotted: str, values: Any, cls: type) -> dict[str, Any]:
 
 def build_spec(
     document: Mapping[str, Any],
-    overrides: Optional[Mapping[str, Any]] = None,
+    overrides: Mapping[str, Any] | None = None,
     *,
     default_name: str = "job",
 ) -> JobSpec:
@@ -140,15 +173,21 @@ def build_spec(
     """
     for key in document:
         if not isinstance(key, str) or key not in TOP_LEVEL_KEYS:
-            raise SpecError(f"{key!r}: unknown top-level key; accepted keys are {', '.join(TOP_LEVEL_KEYS)}")
+            raise SpecError(
+                f"{key!r}: unknown top-level key; accepted keys are {', '.join(TOP_LEVEL_KEYS)}"
+            )
     sections = {name: _section_values(document, name, cls) for name, cls in SECTIONS.items()}
     # Cluster images export the shared checkpoint location once, for every job run there.
     if os.environ.get(STORAGE_PATH_ENV) and "storage_path" not in sections["cluster"]:
         sections["cluster"]["storage_path"] = os.environ[STORAGE_PATH_ENV]
     name = document.get("name", default_name)
     given = {dotted: value for dotted, value in (overrides or {}).items() if value is not None}
-    if given.get("train.strategy", "pp") != "pp" and not any(k.startswith("train.pipeline.") for k in given):
-        sections["train"].pop("pipeline", None)  # a pp job file run with another strategy (--strategy ddp)
+    if given.get("train.strategy", "pp") != "pp" and not any(
+        k.startswith("train.pipeline.") for k in given
+    ):
+        sections["train"].pop(
+            "pipeline", None
+        )  # a pp job file run with another strategy (--strategy ddp)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -158,8 +197,11 @@ def build_spec(
         section, _, key = dotted.partition(".")
         key, _, inner = key.partition(".")
         nested = NESTED.get((section, key))
-        if section not in SECTIONS or key not in _field_names(SECTIONS[section]) or (
-                inner and (nested is None or inner not in _field_names(nested))):
+        if (
+            section not in SECTIONS
+            or key not in _field_names(SECTIONS[section])
+            or (inner and (nested is None or inner not in _field_names(nested)))
+        ):
             raise SpecError(f"override {dotted!r} names no spec field")
         if inner:
             sections[section][key] = {**(sections[section].get(key) or {}), inner: value}
@@ -185,7 +227,7 @@ def build_spec(
         raise SpecError(f"job spec is malformed: {exc}") from None
 
 
-def load_spec(path: str | Path, overrides: Optional[Mapping[str, Any]] = None) -> JobSpec:
+def load_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
     """Read a job YAML and apply overrides; the job name defaults to the file's stem."""
     document = read_job_yaml(path)
     return build_spec(document, overrides, default_name=Path(path).stem)

@@ -9,9 +9,10 @@ own builders (``model.factory: "mymodels:build"``) go through the same import pa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rayapp.spec.errors import SpecError
 
@@ -34,7 +35,9 @@ class Registry:
 
     def register(self, name: str, target: str, summary: str = "", **meta: Any) -> Entry:
         if name in self._entries:
-            raise ValueError(f"{self.field_name}: {name!r} is registered already (as {self._entries[name].target})")
+            raise ValueError(
+                f"{self.field_name}: {name!r} is registered already (as {self._entries[name].target})"
+            )
         entry = Entry(name=name, target=target, summary=summary, meta=MappingProxyType(dict(meta)))
         self._entries[name] = entry
         return entry

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 HISTORY_FILE = "history.json"
 
@@ -28,25 +27,34 @@ def read_history(directory: str) -> dict:
         return json.load(handle)
 
 
-def newest_history(trial_dir: str) -> Optional[dict]:
+def newest_history(trial_dir: str) -> dict | None:
     """The history of the newest checkpoint under trial_dir (a local path or a URI Ray Train can
     store to: s3://, gs://), or None when there is none."""
     import pyarrow.fs
 
     try:
-        filesystem, root = pyarrow.fs.FileSystem.from_uri(trial_dir) if "://" in trial_dir \
+        filesystem, root = (
+            pyarrow.fs.FileSystem.from_uri(trial_dir)
+            if "://" in trial_dir
             else (pyarrow.fs.LocalFileSystem(), os.path.abspath(trial_dir))
+        )
         entries = filesystem.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
     except (OSError, ValueError, pyarrow.ArrowException):  # storage unreachable: nothing to go on
         return None
     newest = None
     for entry in entries:
-        if entry.type != pyarrow.fs.FileType.Directory or not entry.base_name.startswith("checkpoint_"):
+        if entry.type != pyarrow.fs.FileType.Directory or not entry.base_name.startswith(
+            "checkpoint_"
+        ):
             continue
         try:
             with filesystem.open_input_stream(f"{entry.path}/{HISTORY_FILE}") as stream:
                 saved = json.loads(stream.read())
-        except (OSError, ValueError, pyarrow.ArrowException):  # no history, or a checkpoint cut short
+        except (
+            OSError,
+            ValueError,
+            pyarrow.ArrowException,
+        ):  # no history, or a checkpoint cut short
             continue
         if newest is None or saved["epoch"] > newest["epoch"]:
             newest = saved
@@ -68,5 +76,11 @@ def backfill_epochs(tracking_uri: str, run_id: str, trial_dir: str) -> list[int]
     client = MlflowClient(tracking_uri)
     logged = {metric.step for metric in client.get_metric_history(run_id, EPOCH_MARKER_METRIC)}
     missing = [epoch for epoch in range(len(saved["history"])) if epoch not in logged]
-    deliver(client, [Record("metrics", run_id, step=epoch, values=saved["history"][epoch]) for epoch in missing])
+    deliver(
+        client,
+        [
+            Record("metrics", run_id, step=epoch, values=saved["history"][epoch])
+            for epoch in missing
+        ],
+    )
     return missing

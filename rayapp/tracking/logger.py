@@ -3,8 +3,8 @@ every other rank, so that loops call the same methods everywhere and only one ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
 
 from rayapp.tracking.run import EPOCH_MARKER_METRIC, TAG_ATTEMPTS, WRITE_COST_METRICS
 
@@ -12,7 +12,7 @@ from rayapp.tracking.run import EPOCH_MARKER_METRIC, TAG_ATTEMPTS, WRITE_COST_ME
 class NullLogger:
     """What every rank but 0 gets: logging calls that do nothing."""
 
-    def close(self, timeout_s: float = 60.0, *, write_cost_step: Optional[int] = None) -> Optional[Path]:
+    def close(self, timeout_s: float = 60.0, *, write_cost_step: int | None = None) -> Path | None:
         return None
 
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
@@ -24,7 +24,7 @@ class NullLogger:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         pass
 
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         pass
 
     def logged_epochs(self) -> set[int]:
@@ -38,7 +38,9 @@ class RunLogger(NullLogger):
     """Rank 0's writer to the job's run. Writes go through an :class:`~rayapp.outbox.Outbox`, so a
     slow or absent tracking server never stalls training; reads (on resume) are direct."""
 
-    def __init__(self, tracking_uri: str, run_id: str, fallback_path: str, notify=lambda message: None) -> None:
+    def __init__(
+        self, tracking_uri: str, run_id: str, fallback_path: str, notify=lambda message: None
+    ) -> None:
         from rayapp.tracking.outbox import Outbox
 
         self._outbox = Outbox(tracking_uri, Path(fallback_path), notify=notify)
@@ -50,29 +52,43 @@ class RunLogger(NullLogger):
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
         from rayapp.tracking.outbox import Record
 
-        self._outbox.put(Record("metrics", self.run_id, step=step, values={k: float(v) for k, v in metrics.items()}))
+        self._outbox.put(
+            Record(
+                "metrics", self.run_id, step=step, values={k: float(v) for k, v in metrics.items()}
+            )
+        )
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         from rayapp.tracking.outbox import Record
 
         self._outbox.put(Record("tags", self.run_id, values={k: str(v) for k, v in tags.items()}))
 
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         from rayapp.tracking.outbox import Record
 
-        self._outbox.put(Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path}))
+        self._outbox.put(
+            Record("artifact", self.run_id, values={"path": path, "artifact_path": artifact_path})
+        )
 
-    def close(self, timeout_s: float = 120.0, *, write_cost_step: Optional[int] = None) -> Optional[Path]:
+    def close(self, timeout_s: float = 120.0, *, write_cost_step: int | None = None) -> Path | None:
         """Flush; returns the fallback file when the server could not take everything.
 
         With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at that step."""
         from rayapp.tracking.outbox import Record
 
         def write_cost(stats) -> Record:
-            return Record("metrics", self.run_id, step=write_cost_step,
-                          values=dict(zip(WRITE_COST_METRICS, (stats.wall_s, stats.cpu_s, float(stats.writes)))))
+            return Record(
+                "metrics",
+                self.run_id,
+                step=write_cost_step,
+                values=dict(
+                    zip(WRITE_COST_METRICS, (stats.wall_s, stats.cpu_s, float(stats.writes)))
+                ),
+            )
 
-        return self._outbox.close(timeout_s, last=write_cost if write_cost_step is not None else None)
+        return self._outbox.close(
+            timeout_s, last=write_cost if write_cost_step is not None else None
+        )
 
     def previous_attempts(self) -> int:
         """How many times training already started in this run (restarts after worker failures)."""
@@ -88,6 +104,9 @@ class RunLogger(NullLogger):
         outbox's per-record delivery keep that from mattering much, and no value is lost.
         """
         try:
-            return {m.step for m in self._outbox.client.get_metric_history(self.run_id, EPOCH_MARKER_METRIC)}
+            return {
+                m.step
+                for m in self._outbox.client.get_metric_history(self.run_id, EPOCH_MARKER_METRIC)
+            }
         except Exception:
             return set()

@@ -22,9 +22,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 FALLBACK_SUFFIX = ".mlflow-fallback.jsonl"
 GRACE_ENV = "RAYAPP_MLFLOW_GRACE_S"
@@ -70,7 +70,11 @@ def leading_write(records: list[Record]) -> int:
         return 1
     count, metrics = 1, len(first.values)
     for record in records[1:]:
-        if record.kind != "metrics" or record.run_id != first.run_id or metrics + len(record.values) > MAX_METRICS_PER_WRITE:
+        if (
+            record.kind != "metrics"
+            or record.run_id != first.run_id
+            or metrics + len(record.values) > MAX_METRICS_PER_WRITE
+        ):
             break
         count, metrics = count + 1, metrics + len(record.values)
     return count
@@ -90,12 +94,18 @@ def _write(client, records: list[Record]) -> None:
 
     record = records[0]
     if record.kind == "metrics":
-        metrics = [Metric(k, float(v), each.timestamp_ms, each.step) for each in records for k, v in each.values.items()]
+        metrics = [
+            Metric(k, float(v), each.timestamp_ms, each.step)
+            for each in records
+            for k, v in each.values.items()
+        ]
         client.log_batch(record.run_id, metrics=metrics, synchronous=True)
     elif record.kind == "tags":
         client.log_batch(record.run_id, tags=[RunTag(k, str(v)) for k, v in record.values.items()])
     elif record.kind == "artifact":
-        client.log_artifact(record.run_id, record.values["path"], record.values.get("artifact_path"))
+        client.log_artifact(
+            record.run_id, record.values["path"], record.values.get("artifact_path")
+        )
     elif record.kind == "status":
         client.set_terminated(record.run_id, status=record.values["status"])
 
@@ -121,11 +131,13 @@ class Outbox:
         self._pending: list[Record] = []
         self._condition = threading.Condition()
         self._closing = False
-        self._down_since: Optional[float] = None
+        self._down_since: float | None = None
         self._write_budget = write_budget
         self._next_write_at = 0.0
         self.stats = WriteStats()
-        self._thread = threading.Thread(target=self._send_forever, name="rayapp-mlflow-outbox", daemon=True)
+        self._thread = threading.Thread(
+            target=self._send_forever, name="rayapp-mlflow-outbox", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -140,7 +152,9 @@ class Outbox:
             self._pending.append(record)
             self._condition.notify()
 
-    def close(self, timeout_s: float = 120.0, last: Optional[Callable[[WriteStats], Record]] = None) -> Optional[Path]:
+    def close(
+        self, timeout_s: float = 120.0, last: Callable[[WriteStats], Record] | None = None
+    ) -> Path | None:
         """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered.
 
         `last` makes one more record from the finished stats (all writes but its own) and sends it
@@ -160,7 +174,9 @@ class Outbox:
             if not left:
                 try:
                     deliver(self._client, [record])
-                except Exception:  # the server went away just now: the record joins the fallback file
+                except (
+                    Exception
+                ):  # the server went away just now: the record joins the fallback file
                     left = [record]
             else:
                 left.append(record)
@@ -189,7 +205,7 @@ class Outbox:
                     self._condition.wait(timeout=left_s)
                 if not self._pending:
                     return
-                batch = self._pending[:leading_write(self._pending)]
+                batch = self._pending[: leading_write(self._pending)]
             started, started_cpu = time.monotonic(), time.thread_time()
             try:
                 deliver(self._client, batch)
@@ -206,15 +222,23 @@ class Outbox:
                 continue
             took_s = time.monotonic() - started
             self._record_write(len(batch), took_s, time.thread_time() - started_cpu)
-            if self.stats.writes > 1:  # the first write also opens the client's store: not a write's cost
-                self._next_write_at = started + min(took_s / self._write_budget, MAX_WRITE_GAP_S + took_s)
+            if (
+                self.stats.writes > 1
+            ):  # the first write also opens the client's store: not a write's cost
+                self._next_write_at = started + min(
+                    took_s / self._write_budget, MAX_WRITE_GAP_S + took_s
+                )
             with self._condition:
                 # close() may have given up on the queue meanwhile and emptied it
-                if len(self._pending) >= len(batch) and all(a is b for a, b in zip(self._pending, batch)):
-                    del self._pending[:len(batch)]
+                if len(self._pending) >= len(batch) and all(
+                    a is b for a, b in zip(self._pending, batch)
+                ):
+                    del self._pending[: len(batch)]
                 self._condition.notify_all()
             if self._down_since is not None:
-                self._notify(f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; buffered metrics delivered")
+                self._notify(
+                    f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; buffered metrics delivered"
+                )
                 self._down_since = None
             delay = self._retry_s[0]
 
@@ -254,7 +278,11 @@ def import_fallback(path: Path, tracking_uri: str) -> int:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    records = [Record(**json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [
+        Record(**json.loads(line))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     to_send: list[Record] = []
     present: dict[tuple[str, str], set[int]] = {}
     for record in records:
@@ -262,7 +290,9 @@ def import_fallback(path: Path, tracking_uri: str) -> int:
             fresh = {}
             for key, value in record.values.items():
                 if (record.run_id, key) not in present:
-                    present[(record.run_id, key)] = {m.step for m in client.get_metric_history(record.run_id, key)}
+                    present[(record.run_id, key)] = {
+                        m.step for m in client.get_metric_history(record.run_id, key)
+                    }
                 if record.step not in present[(record.run_id, key)]:
                     fresh[key] = value
                     present[(record.run_id, key)].add(record.step)

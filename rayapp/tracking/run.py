@@ -10,13 +10,22 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from rayapp.spec import JobSpec
 
-EPOCH_METRICS = ("loss", "epoch_time_s", "samples_per_s", "compute_time_s", "comm_time_s", "data_time_s",
-                 "peak_mem_mb", "world_size")
+EPOCH_METRICS = (
+    "loss",
+    "epoch_time_s",
+    "samples_per_s",
+    "compute_time_s",
+    "comm_time_s",
+    "data_time_s",
+    "peak_mem_mb",
+    "world_size",
+)
 """Logged every epoch; world_size is the workers that trained it (an elastic run's changes)."""
 FINAL_METRICS = ("total_time_s", "time_to_first_step_s", "param_bytes_per_rank")
 STARTUP_METRICS = ("startup_cluster_s", "startup_workers_s", "time_to_first_step_s")
@@ -37,7 +46,7 @@ EPOCH_MARKER_METRIC = "epoch_time_s"
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
-def resolve_tracking_uri(uri: Optional[str]) -> str:
+def resolve_tracking_uri(uri: str | None) -> str:
     """Flag or job > $MLFLOW_TRACKING_URI > ./mlflow.db, with relative SQLite paths made absolute.
 
     Ray workers do not run in the submitter's directory, so a relative path would
@@ -46,15 +55,15 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+        uri = prefix + str(Path(uri[len(prefix) :]).resolve())
     return uri
 
 
-def default_artifact_location(tracking_uri: str) -> Optional[str]:
+def default_artifact_location(tracking_uri: str) -> str | None:
     """Artifacts of a SQLite store live beside the database file, not in whichever cwd made them."""
     prefix = "sqlite:///"
     if tracking_uri.startswith(prefix):
-        return Path(tracking_uri[len(prefix):]).parent.joinpath("mlartifacts").as_uri()
+        return Path(tracking_uri[len(prefix) :]).parent.joinpath("mlartifacts").as_uri()
     return None
 
 
@@ -77,20 +86,27 @@ def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
         "grad_accum_steps": str(spec.train.grad_accum_steps),
         "grad_clip": str(spec.train.grad_clip),
         "checkpoint_every": str(spec.checkpoint.every_epochs),
-        "checkpoint_format": spec.checkpoint.format + (" async" if spec.checkpoint.async_save else ""),
+        "checkpoint_format": spec.checkpoint.format
+        + (" async" if spec.checkpoint.async_save else ""),
         "optimizer": spec.train.optimizer,
         "loss": spec.loss,
-        "model": spec.model.factory or (spec.model.kind + (f"{list(spec.model.hidden)}" if spec.model.hidden else "")),
-        "data": spec.data.factory or spec.data.kind,  # what the built-in loop trains; a user's loop builds its own
+        "model": spec.model.factory
+        or (spec.model.kind + (f"{list(spec.model.hidden)}" if spec.model.hidden else "")),
+        "data": spec.data.factory
+        or spec.data.kind,  # what the built-in loop trains; a user's loop builds its own
         # A user's data set is sized when built; rank 0 logs the figures as metrics then.
-        "steps_per_epoch": str(spec.steps_per_epoch) if spec.steps_per_epoch is not None else "auto",
-        "train_samples": str(spec.num_train_samples) if spec.num_train_samples is not None else "auto",
+        "steps_per_epoch": str(spec.steps_per_epoch)
+        if spec.steps_per_epoch is not None
+        else "auto",
+        "train_samples": str(spec.num_train_samples)
+        if spec.num_train_samples is not None
+        else "auto",
         **({"loop": spec.train.loop} if spec.train.loop else {}),
         **({"script": spec.train.script} if spec.train.script else {}),
     }
 
 
-def environment_tags(job_file: Optional[str]) -> dict[str, str]:
+def environment_tags(job_file: str | None) -> dict[str, str]:
     import mlflow
     import ray
     import torch
@@ -110,10 +126,13 @@ def environment_tags(job_file: Optional[str]) -> dict[str, str]:
     return tags
 
 
-def _git_sha(directory: Path) -> Optional[str]:
+def _git_sha(directory: Path) -> str | None:
     try:
         result = subprocess.run(
-            ["git", "-C", str(directory), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(directory), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -133,13 +152,20 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
         if TAG_EXPERIMENT_KIND not in experiment.tags:
-            client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_EXPERIMENT_KIND)
+            client.set_experiment_tag(
+                experiment.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_EXPERIMENT_KIND
+            )
         return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri),
-                                    tags={TAG_EXPERIMENT_KIND: TRAINING_EXPERIMENT_KIND})
+    return client.create_experiment(
+        name,
+        artifact_location=default_artifact_location(tracking_uri),
+        tags={TAG_EXPERIMENT_KIND: TRAINING_EXPERIMENT_KIND},
+    )
 
 
-def log_run_metrics(tracking_uri: str, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+def log_run_metrics(
+    tracking_uri: str, run_id: str, metrics: Mapping[str, float], step: int = 0
+) -> None:
     """A few metrics the driver logs itself (startup phases), in one write."""
     import time
 
@@ -147,7 +173,9 @@ def log_run_metrics(tracking_uri: str, run_id: str, metrics: Mapping[str, float]
     from mlflow.tracking import MlflowClient
 
     now = int(time.time() * 1000)
-    MlflowClient(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    MlflowClient(tracking_uri).log_batch(
+        run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
+    )
 
 
 def open_run(
@@ -157,7 +185,7 @@ def open_run(
     run_name: str,
     params: Mapping[str, str],
     tags: Mapping[str, str],
-    parent_run_id: Optional[str] = None,
+    parent_run_id: str | None = None,
 ) -> str:
     """Create a RUNNING run with its params and tags; returns its id."""
     from mlflow.entities import Param
@@ -181,7 +209,11 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
 
 
 UI_TRAINING_VIEW = "workflowType=machine_learning"
-MLFLOW_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+MLFLOW_CREDENTIAL_ENV = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
 ACCESS_CHECK_TIMEOUT_S = 10.0
 
 
@@ -190,7 +222,7 @@ def credentials_from_env() -> dict[str, str]:
     return {name: os.environ[name] for name in MLFLOW_CREDENTIAL_ENV if os.environ.get(name)}
 
 
-def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Optional[Any]:
+def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Any | None:
     """One GET of the tracking server's REST API with this shell's credentials and a short timeout
     (MLflow's own client retries for minutes); None when the server does not answer."""
     import requests
@@ -200,11 +232,19 @@ def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Opti
     if "MLFLOW_TRACKING_TOKEN" in credentials:
         headers["Authorization"] = f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"
     elif "MLFLOW_TRACKING_USERNAME" in credentials:
-        auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials.get("MLFLOW_TRACKING_PASSWORD", ""))
+        auth = (
+            credentials["MLFLOW_TRACKING_USERNAME"],
+            credentials.get("MLFLOW_TRACKING_PASSWORD", ""),
+        )
     try:
-        return requests.get(f"{tracking_uri.rstrip('/')}{path}", params=params, auth=auth, headers=headers,
-                            timeout=ACCESS_CHECK_TIMEOUT_S,
-                            verify=os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() != "true")
+        return requests.get(
+            f"{tracking_uri.rstrip('/')}{path}",
+            params=params,
+            auth=auth,
+            headers=headers,
+            timeout=ACCESS_CHECK_TIMEOUT_S,
+            verify=os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() != "true",
+        )
     except requests.RequestException:
         return None
 
@@ -219,8 +259,13 @@ def check_tracking_access(tracking_uri: str) -> None:
     response = _server_get(tracking_uri, "/api/2.0/mlflow/experiments/search", {"max_results": 1})
     if response is not None and response.status_code in (401, 403):
         credentials = credentials_from_env()
-        who = (f"user {credentials['MLFLOW_TRACKING_USERNAME']!r}" if "MLFLOW_TRACKING_USERNAME" in credentials
-               else "a token" if "MLFLOW_TRACKING_TOKEN" in credentials else "no credentials")
+        who = (
+            f"user {credentials['MLFLOW_TRACKING_USERNAME']!r}"
+            if "MLFLOW_TRACKING_USERNAME" in credentials
+            else "a token"
+            if "MLFLOW_TRACKING_TOKEN" in credentials
+            else "no credentials"
+        )
         raise RayappError(
             f"MLflow at {tracking_uri} refused {who} (HTTP {response.status_code}); set "
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
@@ -228,7 +273,7 @@ def check_tracking_access(tracking_uri: str) -> None:
         )
 
 
-def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
+def run_page_url(tracking_uri: str, run_id: str) -> str | None:
     """The run's page in the MLflow UI when the store is a tracking server, else None (also when
     the server does not answer now: the store line still says where the run is)."""
     if not tracking_uri.startswith(("http://", "https://")):
@@ -238,7 +283,9 @@ def run_page_url(tracking_uri: str, run_id: str) -> Optional[str]:
         return None
     experiment_id = response.json()["run"]["info"]["experiment_id"]
     # MLflow 3's UI opens in its GenAI view unless told otherwise; rayapp's runs are model training.
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
+    return (
+        f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
+    )
 
 
 def fallback_path(storage_path: str, trial_name: str, run_id: str) -> str:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,12 +32,16 @@ CHECKPOINT_FILE = "state.pt"
 DCP_METADATA = ".metadata"
 
 
-def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, full: bool) -> tuple[dict, dict]:
+def _state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool
+) -> tuple[dict, dict]:
     """Model and optimizer state: full and on CPU, or as each rank holds it (a collective under FSDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=options)
+    model_state, optim_state = get_state_dict(
+        model, [optimizer] if optimizer is not None else [], options=options
+    )
     return model_state, (optim_state if optimizer is not None else {})
 
 
@@ -45,14 +50,24 @@ def full_model_state(model: nn.Module) -> dict:
     return _state_dicts(model, None, full=True)[0]
 
 
-def save(spec: JobSpec, directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any], *, rank: int) -> None:
+def save(
+    spec: JobSpec,
+    directory: str,
+    model: nn.Module,
+    optimizer,
+    extra: Mapping[str, Any],
+    *,
+    rank: int,
+) -> None:
     """Write this rank's part of the checkpoint into `directory` (a collective)."""
     extra_state = {name: obj.state_dict() for name, obj in extra.items()}
     if spec.checkpoint.format == "full":
         model_state, optim_state = _state_dicts(model, optimizer, full=True)
         if rank == 0:
-            torch.save({"model": model_state, "optimizer": optim_state, "extra": extra_state},
-                       os.path.join(directory, CHECKPOINT_FILE))
+            torch.save(
+                {"model": model_state, "optimizer": optim_state, "extra": extra_state},
+                os.path.join(directory, CHECKPOINT_FILE),
+            )
         return
     import torch.distributed.checkpoint as dcp
 
@@ -78,9 +93,13 @@ def load(directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any]) 
         dcp.load(state, checkpoint_id=directory)  # in place, resharded to this world size
         options = StateDictOptions(full_state_dict=False)
         extra_path = os.path.join(directory, "extra.pt")
-        extra_state = torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else {}
+        extra_state = (
+            torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else {}
+        )
     else:
-        state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        state = torch.load(
+            os.path.join(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False
+        )
         options = StateDictOptions(full_state_dict=True)
         extra_state = state.get("extra", {})
     set_model_state_dict(model, state["model"], options=options)
@@ -93,7 +112,7 @@ def load(directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any]) 
             obj.load_state_dict(extra_state[name])
 
 
-def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> Optional[dict]:
+def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> dict | None:
     """Load the checkpoint Ray Train restarted this worker group from; returns its saved history
     (run_id, epoch, history), or None when the job starts fresh."""
     import ray.train
@@ -106,8 +125,19 @@ def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> Optional[d
         return read_history(directory)
 
 
-def report_epoch(spec: JobSpec, metrics: dict, *, save_now: bool, model: nn.Module, optimizer,
-                 extra: Mapping[str, Any], history: list[dict], epoch: int, run_id: str, rank: int) -> None:
+def report_epoch(
+    spec: JobSpec,
+    metrics: dict,
+    *,
+    save_now: bool,
+    model: nn.Module,
+    optimizer,
+    extra: Mapping[str, Any],
+    history: list[dict],
+    epoch: int,
+    run_id: str,
+    rank: int,
+) -> None:
     """Report the epoch to Ray Train from every rank, with this rank's part of a checkpoint when
     `save_now`. With checkpoint.async the upload to storage runs in the background."""
     import ray.train
@@ -123,9 +153,15 @@ def report_epoch(spec: JobSpec, metrics: dict, *, save_now: bool, model: nn.Modu
         if rank == 0:
             # Beside the weights, not in them: the driver reads it without torch or the state's size.
             write_history(directory, run_id=run_id, epoch=epoch, history=history)
-        mode = CheckpointUploadMode.ASYNC if spec.checkpoint.async_save else CheckpointUploadMode.SYNC
-        ray.train.report(report, checkpoint=Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=f"checkpoint_epoch_{epoch:06d}", checkpoint_upload_mode=mode)
+        mode = (
+            CheckpointUploadMode.ASYNC if spec.checkpoint.async_save else CheckpointUploadMode.SYNC
+        )
+        ray.train.report(
+            report,
+            checkpoint=Checkpoint.from_directory(directory),
+            checkpoint_dir_name=f"checkpoint_epoch_{epoch:06d}",
+            checkpoint_upload_mode=mode,
+        )
     finally:
         if not spec.checkpoint.async_save:  # an async upload deletes the directory once it is done
             shutil.rmtree(directory, ignore_errors=True)

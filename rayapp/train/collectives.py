@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -40,14 +39,22 @@ def placements(world_size: int) -> list[tuple[str, str]]:
     import ray
 
     mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-    gathered: list[Optional[tuple[str, str]]] = [None] * world_size
+    gathered: list[tuple[str, str] | None] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, test_set, loss_fn, *, batch_size: int, input_device: torch.device,
-             output_device: torch.device, classification: bool) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    test_set,
+    loss_fn,
+    *,
+    batch_size: int,
+    input_device: torch.device,
+    output_device: torch.device,
+    classification: bool,
+) -> dict[str, float]:
     """test_accuracy (classification) or test_loss of the model on a whole test set.
 
     Every rank evaluates the whole set (FSDP needs all ranks in each forward pass), so every rank

@@ -46,4 +46,6 @@ class WorkerConfig:
         try:
             self.progress.put_nowait(item)
         except Exception as exc:
-            logging.getLogger(__name__).warning("progress not shown at the submitting terminal: %s", exc)
+            logging.getLogger(__name__).warning(
+                "progress not shown at the submitting terminal: %s", exc
+            )

@@ -29,28 +29,38 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rayapp.spec import JobSpec
+from rayapp.tracking.logger import NullLogger
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
 from rayapp.train import checkpoint, collectives, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
 from rayapp.train.stepping import Stepper
 from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
-from rayapp.tracking.logger import NullLogger
-from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
 
 
 class TrainContext:
     """One worker's view of the job. Every rank runs the loop; only rank 0 writes to MLflow."""
 
-    def __init__(self, config: WorkerConfig, logger: NullLogger, *, rank: int, world_size: int,
-                 local_rank: int, device: torch.device, loop_started: float) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        logger: NullLogger,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        loop_started: float,
+    ) -> None:
         self.config = config
         self.spec: JobSpec = config.spec
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
@@ -58,16 +68,21 @@ class TrainContext:
         self.logger = logger
         self._loop_started = loop_started
         self._loop_started_wall = time.time() - (time.perf_counter() - loop_started)
-        self._placement: Optional[Placement] = None
-        self._comm_clock: Optional[DdpCommClock] = None
+        self._placement: Placement | None = None
+        self._comm_clock: DdpCommClock | None = None
         self._samplers: list[DistributedSampler] = []
-        self._epoch: Optional[int] = None
+        self._epoch: int | None = None
         self._epoch_metrics: dict[str, float] = {}
         self._history: list[dict] = []
-        self._trained: Optional[nn.Module] = None
+        self._trained: nn.Module | None = None
         self._attempt = 1
-        self._stepper = Stepper(self.spec, device, logger, world_size=world_size,
-                                samples_seen=lambda: self._samples_before_epoch + self._samples)
+        self._stepper = Stepper(
+            self.spec,
+            device,
+            logger,
+            world_size=world_size,
+            samples_seen=lambda: self._samples_before_epoch + self._samples,
+        )
         self._system_monitor = None
         self._first_step_logged = False
         self._samples_before_epoch = self._samples = 0
@@ -86,7 +101,7 @@ class TrainContext:
         return self.rank == 0
 
     @property
-    def epoch(self) -> Optional[int]:
+    def epoch(self) -> int | None:
         return self._epoch
 
     @property
@@ -110,17 +125,33 @@ class TrainContext:
         self._comm_clock = DdpCommClock(placement.model)  # NaN for strategies without DDP's reducer
         if self.spec.train.compile:
             # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles through.
-            placement = Placement(torch.compile(placement.model), placement.input_device, placement.output_device)
+            placement = Placement(
+                torch.compile(placement.model), placement.input_device, placement.output_device
+            )
         self._placement = placement
         return placement.model
 
-    def loader(self, dataset: Dataset, *, batch_size: Optional[int] = None, shuffle: bool = True,
-               **loader_kwargs: Any) -> DataLoader:
+    def loader(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        **loader_kwargs: Any,
+    ) -> DataLoader:
         """This rank's shard of `dataset` (DistributedSampler, reshuffled each epoch by :meth:`epochs`),
         in batches of `batch_size` (default: the job's per-worker batch); every rank takes the same
         number of steps (the last incomplete batch is dropped)."""
-        loader = build_loader(self.spec, dataset, rank=self.rank, world_size=self.world_size, batch_size=batch_size,
-                              shuffle=shuffle, pin_memory=self.device.type == "cuda", **loader_kwargs)
+        loader = build_loader(
+            self.spec,
+            dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            pin_memory=self.device.type == "cuda",
+            **loader_kwargs,
+        )
         self._samplers.append(shard_sampler(loader))
         return loader
 
@@ -130,14 +161,15 @@ class TrainContext:
         self._comm_clock = clock
 
     @property
-    def trained_model(self) -> Optional[nn.Module]:
+    def trained_model(self) -> nn.Module | None:
         """The model :meth:`epochs` trained, once it has run to the end; None before."""
         return self._trained
 
     # ---- the epoch loop ---------------------------------------------------------------
 
-    def epochs(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-               **stateful: Any) -> Iterator[int]:
+    def epochs(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **stateful: Any
+    ) -> Iterator[int]:
         """The epochs left to train: resumes `model`, `optimizer` and any other `stateful` object
         (anything with state_dict/load_state_dict, e.g. an LR scheduler) from the last checkpoint
         after a restart. After each epoch's body it takes the timings, logs the epoch once, and
@@ -184,7 +216,9 @@ class TrainContext:
             self._comm_clock.step_finished()
         if not self._first_step_logged:
             self._first_step_logged = True
-            self.logger.log_metrics({"time_to_first_step_s": time.time() - self.config.submitted_at})
+            self.logger.log_metrics(
+                {"time_to_first_step_s": time.time() - self.config.submitted_at}
+            )
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass (train.precision bf16/fp16); a no-op for fp32."""
@@ -210,9 +244,12 @@ class TrainContext:
         standard timings when the epoch ends, at step = epoch."""
         self._epoch_metrics.update({key: float(value) for key, value in metrics.items()})
 
-    def log_step(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+    def log_step(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Step-level metrics (rank 0's) at `step`, default the global step."""
-        self.logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=self.global_step if step is None else step)
+        self.logger.log_metrics(
+            {k: float(v) for k, v in metrics.items()},
+            step=self.global_step if step is None else step,
+        )
 
     def tell(self, message: str) -> None:
         """A warning for the person at the submitting terminal (rank 0's)."""
@@ -245,8 +282,12 @@ class TrainContext:
         node_ip = self._record_placement()
         if self.local_rank == 0 and self._system_monitor is None:
             self._system_monitor = system_metrics.start(
-                run_id=self.config.run_id, tracking_uri=self.config.tracking_uri, node=node_ip,
-                interval_s=self.spec.tracking.system_metrics_s, resume=self._attempt > 1)
+                run_id=self.config.run_id,
+                tracking_uri=self.config.tracking_uri,
+                node=node_ip,
+                interval_s=self.spec.tracking.system_metrics_s,
+                resume=self._attempt > 1,
+            )
         # -- startup: from the cluster being ready until every worker's loop had started
         started = collectives.max_over_ranks([self._loop_started_wall], self.device)[0]
         if self._attempt == 1 and self.config.cluster_ready_at:
@@ -261,19 +302,25 @@ class TrainContext:
     def _record_placement(self) -> str:
         """Tag where every rank runs; returns this rank's node IP."""
         placed = collectives.placements(self.world_size)
-        self.logger.set_tags({
-            TAG_NODE_IDS: ",".join(node_id for node_id, _ in placed),
-            TAG_NODE_IPS: ",".join(ip for _, ip in placed),
-            TAG_ATTEMPTS: str(self._attempt),
-        })
+        self.logger.set_tags(
+            {
+                TAG_NODE_IDS: ",".join(node_id for node_id, _ in placed),
+                TAG_NODE_IPS: ",".join(ip for _, ip in placed),
+                TAG_ATTEMPTS: str(self._attempt),
+            }
+        )
         nodes_used = len({node_id for node_id, _ in placed})
         if self.spec.cluster.elastic and self.is_chief:
-            self.config.say(f"elastic ({self.spec.cluster.nodes_label} nodes): training on {nodes_used} node(s), "
-                            f"world size {self.world_size}")
+            self.config.say(
+                f"elastic ({self.spec.cluster.nodes_label} nodes): training on {nodes_used} node(s), "
+                f"world size {self.world_size}"
+            )
         elif nodes_used != self.spec.cluster.nodes:
             # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
-            self.tell(f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
-                      "per-node figures in this run do not describe that many nodes")
+            self.tell(
+                f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
+                "per-node figures in this run do not describe that many nodes"
+            )
         return placed[self.rank][1]
 
     def _reset_epoch_clocks(self) -> None:
@@ -281,7 +328,7 @@ class TrainContext:
         self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
         self._compute_timer = DeviceTimer(self.device)
         self._samples = 0
-        self._epoch_stopped: Optional[float] = None
+        self._epoch_stopped: float | None = None
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._epoch_metrics = epoch, {}
@@ -301,8 +348,15 @@ class TrainContext:
         comm_time = self._comm_clock.take_total_s() if self._comm_clock is not None else math.nan
         # -- timing: the slowest rank's; samples: all ranks'
         epoch_time, compute_time, data_time, comm_time, peak_mem = collectives.max_over_ranks(
-            [epoch_time, self._compute_timer.total_s(), self._data_timer.total_s(), comm_time,
-             collectives.peak_memory_mb(self.device)], self.device)
+            [
+                epoch_time,
+                self._compute_timer.total_s(),
+                self._data_timer.total_s(),
+                comm_time,
+                collectives.peak_memory_mb(self.device),
+            ],
+            self.device,
+        )
         samples = collectives.sum_over_ranks(self._samples, self.device)
         metrics = {
             **self._epoch_metrics,  # the loop's own (loss, test_accuracy, ...)
@@ -320,9 +374,18 @@ class TrainContext:
         every, last = self.spec.checkpoint.every_epochs, self.spec.train.epochs - 1
         save_now = (epoch + 1) % every == 0 or epoch == last
         saving_started = time.perf_counter()
-        checkpoint.report_epoch(self.spec, metrics, save_now=save_now, model=model, optimizer=optimizer,
-                                extra=stateful, history=self._history, epoch=epoch, run_id=self.config.run_id,
-                                rank=self.rank)
+        checkpoint.report_epoch(
+            self.spec,
+            metrics,
+            save_now=save_now,
+            model=model,
+            optimizer=optimizer,
+            extra=stateful,
+            history=self._history,
+            epoch=epoch,
+            run_id=self.config.run_id,
+            rank=self.rank,
+        )
         if epoch not in self._already_logged:
             if save_now:
                 metrics = {**metrics, "checkpoint_time_s": time.perf_counter() - saving_started}
@@ -330,7 +393,7 @@ class TrainContext:
         if self.is_chief:
             self.config.send_progress({"epoch": epoch, **metrics})
 
-    def final_model_state(self) -> Optional[dict]:
+    def final_model_state(self) -> dict | None:
         """The trained model's full state on CPU, gathered once, at the end (a collective under
         FSDP: every rank calls it); None when the loop trained no model through :meth:`epochs`."""
         return checkpoint.full_model_state(self._trained) if self._trained is not None else None
@@ -347,7 +410,11 @@ class TrainContext:
     def _to_devices(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
             return batch.to(self.input_device, non_blocking=True)
-        if isinstance(batch, (list, tuple)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+        if (
+            isinstance(batch, (list, tuple))
+            and batch
+            and all(isinstance(t, torch.Tensor) for t in batch)
+        ):
             *inputs, target = batch
             moved = [t.to(self.input_device, non_blocking=True) for t in inputs]
             moved.append(target.to(self.output_device, non_blocking=True))

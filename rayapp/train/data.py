@@ -8,7 +8,6 @@ alone); :func:`build_loader` gives each rank its own shard with a DistributedSam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -20,7 +19,7 @@ from rayapp.train.builders import import_object
 @dataclass
 class Datasets:
     train: Dataset
-    test: Optional[Dataset] = None
+    test: Dataset | None = None
 
 
 def build_datasets(spec: JobSpec) -> Datasets:
@@ -47,11 +46,24 @@ def as_datasets(built: object, source: str) -> Datasets:
 
 
 def _is_map_style(obj: object) -> bool:
-    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, tuple, dict))
+    return (
+        hasattr(obj, "__getitem__")
+        and hasattr(obj, "__len__")
+        and not isinstance(obj, (str, bytes, tuple, dict))
+    )
 
 
-def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int, batch_size: Optional[int] = None,
-                 shuffle: bool = True, pin_memory: bool = False, **loader_kwargs) -> DataLoader:
+def build_loader(
+    spec: JobSpec,
+    dataset: Dataset,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int | None = None,
+    shuffle: bool = True,
+    pin_memory: bool = False,
+    **loader_kwargs,
+) -> DataLoader:
     """This rank's shard of `dataset` in batches (default: the per-worker batch size), reshuffled
     each epoch by ``shard_sampler(loader).set_epoch(epoch)``; the last incomplete batch is dropped
     on every rank so that all ranks take the same number of steps.
@@ -59,8 +71,14 @@ def build_loader(spec: JobSpec, dataset: Dataset, *, rank: int, world_size: int,
     In-memory tensors (a TensorDataset) are fetched a whole batch at a time, by indexing each
     tensor with the batch's indices, rather than sample by sample and stacked by collate: the
     same batches, without a Python call per sample."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                 seed=spec.train.seed, drop_last=True)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=spec.train.seed,
+        drop_last=True,
+    )
     batch_size = batch_size or spec.batch_size_at(world_size)
     options = {"num_workers": spec.data.loader_workers, "pin_memory": pin_memory, **loader_kwargs}
     if isinstance(dataset, TensorDataset) and "collate_fn" not in loader_kwargs:

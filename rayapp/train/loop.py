@@ -13,19 +13,19 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
-from rayapp.train.builders import import_object
+from rayapp.tracking.logger import NullLogger, RunLogger
 from rayapp.train import system_metrics
+from rayapp.train.builders import import_object
 from rayapp.train.collectives import evaluate
 from rayapp.train.config import WorkerConfig
 from rayapp.train.context import TrainContext
 from rayapp.train.data import build_datasets
 from rayapp.train.models import build_loss, build_model, build_optimizer
-from rayapp.tracking.logger import NullLogger, RunLogger
 
 FLUSH_ON_ERROR_S = 10.0
 
@@ -33,7 +33,9 @@ FLUSH_ON_ERROR_S = 10.0
 def train_loop_per_worker(config: dict) -> None:
     worker_config: WorkerConfig = config["worker_config"]
     loop_started = time.perf_counter()
-    os.environ.update(worker_config.mlflow_credentials)  # for MLflow's clients here and in a script's child
+    os.environ.update(
+        worker_config.mlflow_credentials
+    )  # for MLflow's clients here and in a script's child
 
     import ray.train
     from ray.train.torch import get_device
@@ -41,18 +43,34 @@ def train_loop_per_worker(config: dict) -> None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
     device = get_device()
-    if context.get_local_rank() == 0 and rank != 0:  # rank 0 imports MLflow for its logger just below
-        system_metrics.preload(tracking_uri=worker_config.tracking_uri,
-                               interval_s=worker_config.spec.tracking.system_metrics_s)
+    if (
+        context.get_local_rank() == 0 and rank != 0
+    ):  # rank 0 imports MLflow for its logger just below
+        system_metrics.preload(
+            tracking_uri=worker_config.tracking_uri,
+            interval_s=worker_config.spec.tracking.system_metrics_s,
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     logger = (
-        RunLogger(worker_config.tracking_uri, worker_config.run_id, worker_config.fallback_path, worker_config.tell)
+        RunLogger(
+            worker_config.tracking_uri,
+            worker_config.run_id,
+            worker_config.fallback_path,
+            worker_config.tell,
+        )
         if rank == 0
         else NullLogger()
     )
-    ctx = TrainContext(worker_config, logger, rank=rank, world_size=context.get_world_size(),
-                       local_rank=context.get_local_rank(), device=device, loop_started=loop_started)
+    ctx = TrainContext(
+        worker_config,
+        logger,
+        rank=rank,
+        world_size=context.get_world_size(),
+        local_rank=context.get_local_rank(),
+        device=device,
+        loop_started=loop_started,
+    )
     try:
         job_loop(worker_config)(ctx)
         ctx.close()
@@ -99,16 +117,26 @@ def standard_loop(ctx: TrainContext) -> None:
                 with ctx.autocast():
                     loss = loss_fn(model(inputs), targets)
                 ctx.backward(loss)
-                ctx.step(optimizer)  # clips and steps every train.grad_accum_steps; zeroes the gradients
+                ctx.step(
+                    optimizer
+                )  # clips and steps every train.grad_accum_steps; zeroes the gradients
             loss_sum += loss.detach()  # no .item(): that would wait for the device every step
             steps += 1
 
         # -- end of epoch: loss averaged over ranks; the test set, when there is one
         metrics = {"loss": ctx.mean(loss_sum / max(steps, 1))}
         if datasets.test is not None:
-            metrics.update(evaluate(model, datasets.test, loss_fn, batch_size=spec.batch_size_at(ctx.world_size),
-                                    input_device=ctx.input_device, output_device=ctx.output_device,
-                                    classification=classification))
+            metrics.update(
+                evaluate(
+                    model,
+                    datasets.test,
+                    loss_fn,
+                    batch_size=spec.batch_size_at(ctx.world_size),
+                    input_device=ctx.input_device,
+                    output_device=ctx.output_device,
+                    classification=classification,
+                )
+            )
         ctx.log_epoch(metrics)
 
 
@@ -139,7 +167,7 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
     _tell_if_undelivered(ctx.config, logger.close(write_cost_step=last_epoch))
 
 
-def _tell_if_undelivered(worker_config: WorkerConfig, undelivered: Optional[Path]) -> None:
+def _tell_if_undelivered(worker_config: WorkerConfig, undelivered: Path | None) -> None:
     if undelivered is None:
         return
     import ray

@@ -3,10 +3,10 @@ give them. Sizes come from the data so a job cannot mismatch them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-
-from typing import Callable
 
 from rayapp.spec import LOSSES, MODELS, OPTIMIZERS, JobSpec
 from rayapp.spec.job import is_import_path
@@ -20,7 +20,9 @@ def build_model(spec: JobSpec) -> nn.Module:
     if spec.model.factory is not None:
         model = import_object(spec.model.factory)(**spec.model.args)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{spec.model.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+            raise TypeError(
+                f"{spec.model.factory} returned {type(model).__name__}; expected a torch.nn.Module"
+            )
         return model
     return import_object(MODELS.get(spec.model.kind).target)(spec)
 
@@ -54,5 +56,7 @@ def build_optimizer(spec: JobSpec, model: nn.Module) -> torch.optim.Optimizer:
     factory = import_object(name if is_import_path(name) else OPTIMIZERS.get(name).target)
     optimizer = factory(model.parameters(), lr=spec.train.lr)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{name} returned {type(optimizer).__name__}; expected a torch.optim.Optimizer")
+        raise TypeError(
+            f"{name} returned {type(optimizer).__name__}; expected a torch.optim.Optimizer"
+        )
     return optimizer

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,10 @@ def layer_units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """The children of an nn.Sequential as the units a split may not cut: each layer with
     parameters, followed by the parameterless layers after it (leading ones go with the first)."""
     if not isinstance(model, nn.Sequential):
-        raise TypeError(f"strategy pp splits an nn.Sequential by its layers; the model is {type(model).__name__}: "
-                        "use model.kind mlp, or a model.factory returning an nn.Sequential")
+        raise TypeError(
+            f"strategy pp splits an nn.Sequential by its layers; the model is {type(model).__name__}: "
+            "use model.kind mlp, or a model.factory returning an nn.Sequential"
+        )
     units: list[list[tuple[str, nn.Module]]] = []
     for name, child in model.named_children():
         if units and (not _param_count(child) or not any(_param_count(m) for _, m in units[-1])):
@@ -97,10 +100,15 @@ def split_model(model: nn.Module, stages: int) -> list[nn.Sequential]:
     """Every stage of `model`, as nn.Sequentials whose layers keep their names in the model."""
     units = layer_units(model)
     if len(units) < stages:
-        raise ValueError(f"strategy pp: the model has {len(units)} layer(s) with parameters to split, fewer than "
-                         f"train.pipeline.stages {stages}; use a deeper model or fewer stages")
+        raise ValueError(
+            f"strategy pp: the model has {len(units)} layer(s) with parameters to split, fewer than "
+            f"train.pipeline.stages {stages}; use a deeper model or fewer stages"
+        )
     ranges = balanced_split([sum(_param_count(m) for _, m in unit) for unit in units], stages)
-    return [nn.Sequential(OrderedDict(layer for unit in units[start:end] for layer in unit)) for start, end in ranges]
+    return [
+        nn.Sequential(OrderedDict(layer for unit in units[start:end] for layer in unit))
+        for start, end in ranges
+    ]
 
 
 def apply_pp(model: nn.Module, *, device: torch.device, spec: JobSpec) -> Placement:
@@ -125,7 +133,7 @@ class StageClock:
 
     def _reset(self) -> None:
         self.schedule, self.compute = DeviceTimer(self.device), DeviceTimer(self.device)
-        self._figures: Optional[tuple[float, float]] = None
+        self._figures: tuple[float, float] | None = None
 
     def timed(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -156,8 +164,15 @@ class StageClock:
 # ---- the loop --------------------------------------------------------------------------
 
 
-def make_schedule(spec: JobSpec, model: nn.Module, loss_fn: Callable, *, rank: int, device: torch.device,
-                  clock: StageClock):
+def make_schedule(
+    spec: JobSpec,
+    model: nn.Module,
+    loss_fn: Callable,
+    *,
+    rank: int,
+    device: torch.device,
+    clock: StageClock,
+):
     """This rank's PipelineStage in the job's schedule, with its compute timed by `clock`."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -188,7 +203,9 @@ class StageBatches:
             yield batch if self.first else {"target": batch[-1] if self.last else None}
 
 
-def run_step(schedule, batch: Any, *, first: bool, last: bool, device: torch.device) -> torch.Tensor:
+def run_step(
+    schedule, batch: Any, *, first: bool, last: bool, device: torch.device
+) -> torch.Tensor:
     """One batch through the pipeline; the batch's mean loss on the last stage, else 0."""
     if first:
         schedule.step(*batch[:-1])
@@ -210,10 +227,14 @@ def pipeline_loop(ctx) -> None:
     # -- set-up: data (every stage reads the same batches: one data-parallel replica), this rank's
     # stage, optimizer, schedule
     datasets = build_datasets(spec)
-    loader = build_loader(spec, datasets.train, rank=0, world_size=1, pin_memory=device.type == "cuda")
+    loader = build_loader(
+        spec, datasets.train, rank=0, world_size=1, pin_memory=device.type == "cuda"
+    )
     model = ctx.prepare(build_model(spec))  # apply_pp: this rank's stage
     optimizer = build_optimizer(spec, model)
-    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    hyperparameters = [
+        {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+    ]
     loss_fn = build_loss(spec)
     clock = StageClock(device)
     ctx.measure_comm_with(clock)  # comm_time_s: this stage's send/recv, not DDP's reducer
@@ -221,11 +242,15 @@ def pipeline_loop(ctx) -> None:
     batches = StageBatches(loader, first=first, last=last)
     classification = spec.data.is_classification or spec.loss == "cross_entropy"
     if pipe.microbatches < stages:
-        ctx.tell(f"train.pipeline.microbatches {pipe.microbatches} < stages {stages}: each stage idles at least "
-                 f"{bubble_ideal(stages, pipe.microbatches):.0%} of every step; use {stages} or more")
+        ctx.tell(
+            f"train.pipeline.microbatches {pipe.microbatches} < stages {stages}: each stage idles at least "
+            f"{bubble_ideal(stages, pipe.microbatches):.0%} of every step; use {stages} or more"
+        )
 
     restored = False
-    for epoch in ctx.epochs(model, optimizer):  # a restart has loaded the checkpoint by the first epoch
+    for epoch in ctx.epochs(
+        model, optimizer
+    ):  # a restart has loaded the checkpoint by the first epoch
         if not restored:
             restore_hyperparameters(optimizer, hyperparameters)
             restored = True
@@ -244,15 +269,29 @@ def pipeline_loop(ctx) -> None:
         # -- end of epoch: the last stage's loss, the test set, and every stage's figures
         metrics = {"loss": collectives.sum_over_ranks(float(loss_sum) / max(steps, 1), device)}
         if datasets.test is not None:
-            metrics.update(evaluate(model, datasets.test, loss_fn, rank=rank, stages=stages, device=device,
-                                    batch_size=spec.batch_size_per_worker, classification=classification))
-        metrics.update(stage_metrics(clock, device=device, stages=stages, microbatches=pipe.microbatches))
+            metrics.update(
+                evaluate(
+                    model,
+                    datasets.test,
+                    loss_fn,
+                    rank=rank,
+                    stages=stages,
+                    device=device,
+                    batch_size=spec.batch_size_per_worker,
+                    classification=classification,
+                )
+            )
+        metrics.update(
+            stage_metrics(clock, device=device, stages=stages, microbatches=pipe.microbatches)
+        )
         ctx.log_epoch(metrics)
 
     # -- once: how the split shared out the parameters (param_bytes_per_rank is rank 0's alone)
     sizes = gather_rows([local_parameter_bytes(model)], device=device, stages=stages)
-    ctx.logger.log_metrics({f"stage_{i}_param_bytes": row[0] for i, row in enumerate(sizes)},
-                           step=spec.train.epochs - 1)
+    ctx.logger.log_metrics(
+        {f"stage_{i}_param_bytes": row[0] for i, row in enumerate(sizes)},
+        step=spec.train.epochs - 1,
+    )
 
 
 def restore_hyperparameters(optimizer: torch.optim.Optimizer, hyperparameters: list[dict]) -> None:
@@ -277,10 +316,14 @@ def gather_rows(values: list[float], *, device: torch.device, stages: int) -> li
     return [row.tolist() for row in rows]
 
 
-def stage_metrics(clock: StageClock, *, device: torch.device, stages: int, microbatches: int) -> dict[str, float]:
+def stage_metrics(
+    clock: StageClock, *, device: torch.device, stages: int, microbatches: int
+) -> dict[str, float]:
     """Every stage's compute time and peak memory (a collective), and the measured and ideal bubble."""
     schedule_s, compute_s = clock.figures()
-    rows = gather_rows([schedule_s, compute_s, collectives.peak_memory_mb(device)], device=device, stages=stages)
+    rows = gather_rows(
+        [schedule_s, compute_s, collectives.peak_memory_mb(device)], device=device, stages=stages
+    )
     metrics = {"pipeline_bubble_ideal": bubble_ideal(stages, microbatches)}
     idle = []
     for index, (stage_schedule_s, stage_compute_s, peak_mb) in enumerate(rows):
@@ -294,12 +337,25 @@ def stage_metrics(clock: StageClock, *, device: torch.device, stages: int, micro
 
 # ---- evaluation and the final model ----------------------------------------------------
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+)
 _HEADER = 10  # ndim, up to 8 sizes, dtype
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
-    header = [tensor.dim(), *tensor.shape, *[0] * (_HEADER - 2 - tensor.dim()), _DTYPES.index(tensor.dtype)]
+    header = [
+        tensor.dim(),
+        *tensor.shape,
+        *[0] * (_HEADER - 2 - tensor.dim()),
+        _DTYPES.index(tensor.dtype),
+    ]
     dist.send(torch.tensor(header, dtype=torch.int64, device=tensor.device), dst)
     dist.send(tensor.contiguous(), dst)
 
@@ -314,8 +370,17 @@ def _recv(src: int, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_set, loss_fn, *, rank: int, stages: int, device: torch.device,
-             batch_size: int, classification: bool) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    test_set,
+    loss_fn,
+    *,
+    rank: int,
+    stages: int,
+    device: torch.device,
+    batch_size: int,
+    classification: bool,
+) -> dict[str, float]:
     """test_accuracy or test_loss over the whole test set, each batch passed stage to stage (a
     plain forward, no micro-batches: a test set is small); every rank gets the last stage's figure."""
     was_training = model.training
@@ -340,21 +405,23 @@ def evaluate(model: nn.Module, test_set, loss_fn, *, rank: int, stages: int, dev
     return {"test_loss": loss_sum / max(seen, 1)}
 
 
-def full_model_state(ctx) -> Optional[dict]:
+def full_model_state(ctx) -> dict | None:
     """The whole trained model's state dict on rank 0, gathered from every stage (a collective);
     None on the other ranks. Keys are the unsplit model's, so it loads into the model as built."""
-    stage: Optional[nn.Module] = ctx.trained_model
+    stage: nn.Module | None = ctx.trained_model
     if stage is None:
         return None
     mine = {key: value.detach().cpu() for key, value in stage.state_dict().items()}
-    gathered: Optional[list] = [None] * dist.get_world_size() if ctx.is_chief else None
+    gathered: list | None = [None] * dist.get_world_size() if ctx.is_chief else None
     dist.gather_object(mine, gathered, dst=0)
     if gathered is None:
         return None
     merged: dict = {}
     for part in gathered:
         merged.update(part)
-    return dict(sorted(merged.items(), key=lambda item: _layer_index(item[0])))  # stable: weight, then bias
+    return dict(
+        sorted(merged.items(), key=lambda item: _layer_index(item[0]))
+    )  # stable: weight, then bias
 
 
 def _layer_index(key: str) -> float:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rayapp.train.context import TrainContext
 from rayapp.tracking.run import TAG_RANK_EXIT_CODES
+from rayapp.train.context import TrainContext
 
 STDERR_LINES_KEPT = 3
 
@@ -34,21 +34,34 @@ def script_loop(ctx: TrainContext) -> None:
     spec = ctx.spec
     ctx.begin_attempt()
     master = _rendezvous(ctx)
-    env = {**os.environ, **torchrun_env(ctx, *master),
-           "MLFLOW_TRACKING_URI": ctx.config.tracking_uri, "MLFLOW_RUN_ID": ctx.config.run_id}
+    env = {
+        **os.environ,
+        **torchrun_env(ctx, *master),
+        "MLFLOW_TRACKING_URI": ctx.config.tracking_uri,
+        "MLFLOW_RUN_ID": ctx.config.run_id,
+    }
     script = find_script(spec.train.script)
     started = time.perf_counter()
     # In the working dir, as torchrun runs a script where it was launched: relative paths the
     # script opens resolve as they did on the submitting machine.
     # Rank 0's stdout is also shown at the submitting terminal, as torchrun shows it.
     stdout = subprocess.PIPE if ctx.is_chief and ctx.config.progress is not None else None
-    child = subprocess.Popen([sys.executable, str(script), *spec.train.script_args], env=env, cwd=script.parent,
-                             stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace",
-                             preexec_fn=_die_with_parent)
+    child = subprocess.Popen(
+        [sys.executable, str(script), *spec.train.script_args],
+        env=env,
+        cwd=script.parent,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        preexec_fn=_die_with_parent,
+    )
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES_KEPT)
     readers = [threading.Thread(target=_tee_stderr, args=(child, tail), daemon=True)]
     if stdout is not None:
-        readers.append(threading.Thread(target=_echo_stdout, args=(child, ctx.config.echo), daemon=True))
+        readers.append(
+            threading.Thread(target=_echo_stdout, args=(child, ctx.config.echo), daemon=True)
+        )
     for reader in readers:
         reader.start()
     code = child.wait()
@@ -64,8 +77,10 @@ def script_loop(ctx: TrainContext) -> None:
     if failed:
         rank, c, lines = failed[0]
         said = " | ".join(line.strip() for line in lines if line.strip()) or "no stderr output"
-        raise RuntimeError(f"{spec.train.script} exited with code {c} on rank {rank}"
-                           f"{f' (and {len(failed) - 1} other rank(s))' if len(failed) > 1 else ''}: {said}")
+        raise RuntimeError(
+            f"{spec.train.script} exited with code {c} on rank {rank}"
+            f"{f' (and {len(failed) - 1} other rank(s))' if len(failed) > 1 else ''}: {said}"
+        )
 
 
 def find_script(relative: str) -> Path:
@@ -85,10 +100,14 @@ def torchrun_env(ctx: TrainContext, master_addr: str, master_port: int) -> dict[
     context = ray.train.get_context()
     node_rank = str(context.get_node_rank())
     return {
-        "RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size),
-        "LOCAL_RANK": str(context.get_local_rank()), "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
-        "NODE_RANK": node_rank, "GROUP_RANK": node_rank,
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "RANK": str(ctx.rank),
+        "WORLD_SIZE": str(ctx.world_size),
+        "LOCAL_RANK": str(context.get_local_rank()),
+        "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
+        "NODE_RANK": node_rank,
+        "GROUP_RANK": node_rank,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
     }
 
 

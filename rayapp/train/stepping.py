@@ -5,25 +5,35 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from rayapp.spec import JobSpec
-from rayapp.train.strategies import PRECISION_DTYPES
 from rayapp.tracking.logger import NullLogger
+from rayapp.train.strategies import PRECISION_DTYPES
 
 
 class Stepper:
-    def __init__(self, spec: JobSpec, device: torch.device, logger: NullLogger, *, world_size: int,
-                 samples_seen: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        device: torch.device,
+        logger: NullLogger,
+        *,
+        world_size: int,
+        samples_seen: Callable[[], int],
+    ) -> None:
         self.spec, self.device, self.logger, self.world_size = spec, device, logger, world_size
         self._samples_seen = samples_seen
         self.global_step = 0
         self._micro_steps = 0
-        self._last_loss: Optional[torch.Tensor] = None
-        self._log_clock = (time.perf_counter(), 0)  # (when, samples seen) at the last step-level log
+        self._last_loss: torch.Tensor | None = None
+        self._log_clock = (
+            time.perf_counter(),
+            0,
+        )  # (when, samples seen) at the last step-level log
         self._scaler = torch.amp.GradScaler(device.type) if spec.train.precision == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -63,7 +73,7 @@ class Stepper:
         """Whether the coming micro-step ends in an optimizer step."""
         return (self._micro_steps + 1) % self.spec.train.grad_accum_steps == 0
 
-    def gradient_sync(self, model: Optional[nn.Module]) -> contextlib.AbstractContextManager:
+    def gradient_sync(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
         """Around a micro-step that ends in no optimizer step: skip the gradient all-reduce (DDP's
         no_sync, FSDP2's requires_gradient_sync); the last micro-step reduces the sum."""
         if self.stepping_next() or model is None:
@@ -80,7 +90,9 @@ class Stepper:
         now, samples = time.perf_counter(), self._samples_seen()
         then, samples_then = self._log_clock
         self._log_clock = (now, samples)
-        metrics = {"step_samples_per_s": (samples - samples_then) * self.world_size / max(now - then, 1e-9)}
+        metrics = {
+            "step_samples_per_s": (samples - samples_then) * self.world_size / max(now - then, 1e-9)
+        }
         if self._last_loss is not None:
             metrics["step_loss"] = self._last_loss.item()
         self.logger.log_metrics(metrics, step=self.global_step)

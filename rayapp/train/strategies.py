@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from rayapp.spec import STRATEGIES, JobSpec
 from rayapp.train.builders import import_object
 
-
 PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """train.precision -> the dtype autocast computes in (None: no autocast)."""
 
@@ -48,7 +47,9 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> Placement:
     return Placement(DistributedDataParallel(model, device_ids=device_ids), device, device)
 
 
-def apply_fsdp(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype | None = None) -> Placement:
+def apply_fsdp(
+    model: nn.Module, *, device: torch.device, param_dtype: torch.dtype | None = None
+) -> Placement:
     """Shard parameters, gradients and optimizer state (FSDP2 `fully_shard`).
 
     Works with NCCL on GPUs and Gloo on CPUs. Each Linear layer becomes its own
@@ -58,7 +59,11 @@ def apply_fsdp(model: nn.Module, *, device: torch.device, param_dtype: torch.dty
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    policy = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype
+        else None
+    )
     options = {"mp_policy": policy} if policy else {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and module is not model:
@@ -71,7 +76,9 @@ def apply_dp(model: nn.Module, *, device: torch.device) -> Placement:
     """nn.DataParallel: one process scatters each batch over every GPU of the node (the article's DP)."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus < 2:
-        raise RuntimeError(f"strategy 'dp' needs at least 2 CUDA GPUs on the node; this worker sees {gpus}; use ddp")
+        raise RuntimeError(
+            f"strategy 'dp' needs at least 2 CUDA GPUs on the node; this worker sees {gpus}; use ddp"
+        )
     first = torch.device("cuda:0")
     return Placement(nn.DataParallel(model.to(first), device_ids=list(range(gpus))), first, first)
 
@@ -94,7 +101,9 @@ class TwoDeviceModel(nn.Module):
 def apply_mp(model: nn.Module, *, device: torch.device) -> Placement:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus < 2 or not isinstance(model, nn.Sequential):
-        raise RuntimeError(f"strategy 'mp' needs an mlp model and 2 CUDA GPUs on the node; this worker sees {gpus}")
+        raise RuntimeError(
+            f"strategy 'mp' needs an mlp model and 2 CUDA GPUs on the node; this worker sees {gpus}"
+        )
     first, second = torch.device("cuda:0"), torch.device("cuda:1")
     return Placement(TwoDeviceModel(model, first, second), first, second)
 

@@ -12,10 +12,9 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 from rayapp.tracking.outbox import CLIENT_ENV
-
 
 MAX_UNSENT = 10_000
 """Samples' metrics kept while the store does not take them (oldest dropped first): a store down
@@ -40,7 +39,9 @@ def preload(*, tracking_uri: str, interval_s: float) -> None:
             import mlflow.store.tracking.rest_store  # noqa: F401
 
 
-def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resume: bool) -> Optional[Any]:
+def start(
+    *, run_id: str, tracking_uri: str, interval_s: float, node: str, resume: bool
+) -> Any | None:
     """A running monitor, or None when turned off or MLflow's monitor cannot start here."""
     if interval_s <= 0:
         return None
@@ -50,8 +51,14 @@ def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resum
     try:
         # MLflow announces start and stop at INFO on every node; a person needs neither.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        monitor = _node_sampler_class()(run_id, sampling_interval=interval_s, samples_before_logging=1,
-                                        resume_logging=resume, node_id=node, tracking_uri=tracking_uri)
+        monitor = _node_sampler_class()(
+            run_id,
+            sampling_interval=interval_s,
+            samples_before_logging=1,
+            resume_logging=resume,
+            node_id=node,
+            tracking_uri=tracking_uri,
+        )
         monitor.start()
         return monitor
     except Exception as exc:  # psutil missing, server unreachable: training goes on without it
@@ -59,7 +66,7 @@ def start(*, run_id: str, tracking_uri: str, interval_s: float, node: str, resum
         return None
 
 
-def stop(monitor: Optional[Any]) -> None:
+def stop(monitor: Any | None) -> None:
     """Stop sampling and send what is left: a few tries, each bounded by the client's timeout, as
     a store busy with the other nodes' writes (SQLite's lock) or a server restarting refuses one."""
     if monitor is None:
@@ -73,7 +80,9 @@ def stop(monitor: Optional[Any]) -> None:
             monitor.mlflow_logger.flush()
         except Exception as exc:
             if attempt == FINAL_WRITE_TRIES - 1:
-                logging.getLogger(__name__).warning("system metrics of node %s not written: %s", monitor.node_id, exc)
+                logging.getLogger(__name__).warning(
+                    "system metrics of node %s not written: %s", monitor.node_id, exc
+                )
 
 
 def _node_sampler_class() -> type:
@@ -99,7 +108,10 @@ def _node_sampler_class() -> type:
                 except Exception as exc:
                     if not warned:
                         logging.getLogger(__name__).warning(
-                            "system metrics of node %s: a write failed (%s); retrying with the next", self.node_id, exc)
+                            "system metrics of node %s: a write failed (%s); retrying with the next",
+                            self.node_id,
+                            exc,
+                        )
                         warned = True
                     for monitor in self.monitors:  # the failed sample stays in the logger's batch
                         monitor.clear_metrics()
