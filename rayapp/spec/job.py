@@ -180,6 +180,9 @@ class TrainSpec:
     """Micro-batches whose gradients add up before each optimizer step."""
     grad_clip: float | None = None
     """Clip the gradients' global norm to this before each optimizer step; none: no clipping."""
+    timing_every: int = 50
+    """Steps between reads of the step timers (the only host-device syncs they make) and between
+    samples of DDP's communication timings, which are scaled up to the epoch."""
     seed: int = 0
     scaling: str = "weak"
     """`weak`: each worker keeps its own batch and steps (the article's loop); `strong`: a fixed
@@ -215,6 +218,7 @@ class TrainSpec:
         check_positive_int("train.grad_accum_steps", self.grad_accum_steps)
         if self.grad_clip is not None:
             check_positive_number("train.grad_clip", self.grad_clip)
+        check_positive_int("train.timing_every", self.timing_every)
         if not isinstance(self.script_args, tuple) or not all(
             isinstance(a, str) for a in self.script_args
         ):
