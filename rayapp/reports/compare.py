@@ -17,10 +17,15 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from rayapp.errors import RayappError
 from rayapp.reports.tables import epoch_values, steady_median
 from rayapp.spec.cluster import size_label
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,9 @@ class RunSummary:
         return {name: 0.0 if math.isnan(value) else value for name, value in parts.items()}
 
 
-def _steady_history(client, run_id: str, key: str, steady_steps: set[int]) -> dict[int, float]:
+def _steady_history(
+    client: MlflowClient, run_id: str, key: str, steady_steps: set[int]
+) -> dict[int, float]:
     """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not measured')."""
     return {
         m.step: m.value
@@ -121,7 +128,7 @@ def _median_or_nan(values: Iterable[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def time_breakdown(client, run_id: str, epoch_time_s: float) -> dict[str, float]:
+def time_breakdown(client: MlflowClient, run_id: str, epoch_time_s: float) -> dict[str, float]:
     """compute_s, comm_s, data_s and other_s of the median steady epoch (see RunSummary)."""
     epochs = sorted(m.step for m in client.get_metric_history(run_id, "epoch_time_s"))
     steady = set(
@@ -144,14 +151,14 @@ def time_breakdown(client, run_id: str, epoch_time_s: float) -> dict[str, float]
     return {**parts, "other_s": max(epoch_time_s - timed, 0.0)}
 
 
-def _address_order(node: str) -> tuple:
+def _address_order(node: str) -> tuple[int, Any]:
     try:
         return (0, ipaddress.ip_address(node))
     except ValueError:  # a node named otherwise (a hostname): after the addresses, by name
         return (1, node)
 
 
-def cpu_by_node(client, run) -> dict[str, float]:
+def cpu_by_node(client: MlflowClient, run: Run) -> dict[str, float]:
     """Mean CPU utilisation of each node over the run, from the system metrics its sampler logged."""
     prefix, suffix = "system/", "/cpu_utilization_percentage"
     nodes = [
@@ -167,7 +174,7 @@ def cpu_by_node(client, run) -> dict[str, float]:
     return means
 
 
-def summarize_run(client, run) -> RunSummary:
+def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
     run_id = run.info.run_id
     params = run.data.params
     missing = [key for key in ("job", "nodes", "world_size") if key not in params]
@@ -184,6 +191,8 @@ def summarize_run(client, run) -> RunSummary:
     shares = [c / e for c, e in zip(comm_times, epoch_times) if e > 0]
     memory = epoch_values(client, run_id, "peak_mem_mb")
     epoch_time_s = steady_median(epoch_times)
+    assert epoch_time_s is not None  # epoch_times is not empty
+    comm_share = steady_median(shares)
     metrics = run.data.metrics  # once-per-run figures; runs from before they were logged lack them
     min_nodes, nodes = _size_range(params["nodes"], run_id, "nodes")
     min_world, world = _size_range(params["world_size"], run_id, "world_size")
@@ -199,7 +208,7 @@ def summarize_run(client, run) -> RunSummary:
         scaling=params.get("scaling", ""),
         epoch_time_s=epoch_time_s,
         samples_per_s=steady_median(epoch_values(client, run_id, "samples_per_s")) or math.nan,
-        comm_share=steady_median(shares) if shares else math.nan,
+        comm_share=math.nan if comm_share is None else comm_share,
         peak_mem_mb=max(memory) if memory else math.nan,
         param_mb_per_rank=metrics.get("param_bytes_per_rank", math.nan) / 2**20,
         **time_breakdown(client, run_id, epoch_time_s),
@@ -224,7 +233,7 @@ def with_scaling(summaries: Iterable[RunSummary]) -> list[RunSummary]:
     from dataclasses import replace
 
     summaries = list(summaries)
-    baselines: dict[tuple, RunSummary] = {}
+    baselines: dict[tuple[str, str, str, str, str], RunSummary] = {}
     for summary in sorted(summaries, key=lambda s: (s.world_size, s.epoch_time_s)):
         baselines.setdefault(summary.group, summary)
     result = []
@@ -310,7 +319,7 @@ CSV_ONLY = ["compute_s", "comm_s", "data_s", "other_s"]
 """The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the plot."""
 
 
-def _cell(value, fmt: str) -> str:
+def _cell(value: Any, fmt: str) -> str:
     if isinstance(value, dict):  # per node, side by side: "127.0.0.2: 87, 127.0.0.3: 85"
         return ", ".join(f"{node}: {_cell(number, fmt)}" for node, number in value.items()) or "-"
     if isinstance(value, float) and math.isnan(value):
@@ -318,14 +327,14 @@ def _cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
-def _shown(summary: RunSummary, name: str):
+def _shown(summary: RunSummary, name: str) -> Any:
     """A column's value; sizes as their labels (an elastic run's ``1:2``)."""
     return {"nodes": summary.nodes_label, "world_size": summary.world_label}.get(
         name, getattr(summary, name)
     )
 
 
-def _csv_value(value):
+def _csv_value(value: Any) -> Any:
     # One cell per run, as the table writes it but a decimal finer; other values as they are.
     return _cell(value, "{:.1f}") if isinstance(value, dict) else value
 

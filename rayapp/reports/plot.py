@@ -34,14 +34,14 @@ def _new_figure(width: float, height: float) -> Figure:
     return figure
 
 
-def _groups(summaries: list[RunSummary]) -> dict[tuple, list[RunSummary]]:
-    groups: dict[tuple, list[RunSummary]] = {}
+def _groups(summaries: list[RunSummary]) -> dict[tuple[str, ...], list[RunSummary]]:
+    groups: dict[tuple[str, ...], list[RunSummary]] = {}
     for summary in summaries:
         groups.setdefault(summary.group, []).append(summary)
     return {group: sorted(runs, key=lambda s: s.world_size) for group, runs in groups.items()}
 
 
-def _group_label(group: tuple) -> str:
+def _group_label(group: tuple[str, ...]) -> str:
     return f"{group[0]} ({', '.join(part for part in group[1:] if part)})"
 
 
@@ -151,7 +151,7 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
                 linewidth=1.2,
                 label=ideal_label,
             )
-            ideal_label = None  # one legend entry for all the marks
+            ideal_label = "_nolegend_"  # one legend entry for all the marks
     axis.set_xticks(positions, labels, fontsize=8)
     axis.set_ylim(0, top * 1.18 if top > 0 else 1.0)  # room for the labels above the bars
     axis.set(title=BREAKDOWN_TITLE, ylabel="seconds per epoch")

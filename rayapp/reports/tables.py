@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import statistics
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from rayapp.errors import RayappError
 
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
-def epoch_values(client, run_id: str, key: str) -> list[float]:
+
+def epoch_values(client: MlflowClient, run_id: str, key: str) -> list[float]:
     """A per-epoch metric in epoch order."""
     return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 

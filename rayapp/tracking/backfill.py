@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 HISTORY_FILE = "history.json"
 
 
-def write_history(directory: str, *, run_id: str, epoch: int, history: list[dict]) -> None:
+def write_history(
+    directory: str, *, run_id: str, epoch: int, history: list[dict[str, Any]]
+) -> None:
     """Into a checkpoint being made: the run it belongs to and every epoch's metrics up to `epoch`."""
     with open(os.path.join(directory, HISTORY_FILE), "w", encoding="utf-8") as handle:
         json.dump({"run_id": run_id, "epoch": epoch, "history": history}, handle)
 
 
-def read_history(directory: str) -> dict:
+def read_history(directory: str) -> dict[str, Any]:
     """What write_history put into a checkpoint directory: run_id, epoch and history."""
     with open(os.path.join(directory, HISTORY_FILE), encoding="utf-8") as handle:
-        return json.load(handle)
+        history: dict[str, Any] = json.load(handle)
+        return history
 
 
-def newest_history(trial_dir: str) -> dict | None:
+def newest_history(trial_dir: str) -> dict[str, Any] | None:
     """The history of the newest checkpoint under trial_dir (a local path or a URI Ray Train can
     store to: s3://, gs://), or None when there is none."""
     import pyarrow.fs

@@ -3,7 +3,7 @@ every other rank, so that loops call the same methods everywhere and only one ra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rayapp.tracking.run import EPOCH_MARKER_METRIC, TAG_ATTEMPTS, WRITE_COST_METRICS
@@ -39,7 +39,11 @@ class RunLogger(NullLogger):
     slow or absent tracking server never stalls training; reads (on resume) are direct."""
 
     def __init__(
-        self, tracking_uri: str, run_id: str, fallback_path: str, notify=lambda message: None
+        self,
+        tracking_uri: str,
+        run_id: str,
+        fallback_path: str,
+        notify: Callable[[str], None] = lambda message: None,
     ) -> None:
         from rayapp.tracking.outbox import Outbox
 
@@ -74,21 +78,23 @@ class RunLogger(NullLogger):
         """Flush; returns the fallback file when the server could not take everything.
 
         With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at that step."""
-        from rayapp.tracking.outbox import Record
+        from rayapp.tracking.outbox import Record, WriteStats
 
-        def write_cost(stats) -> Record:
+        if write_cost_step is None:
+            return self._outbox.close(timeout_s)
+        step = write_cost_step
+
+        def write_cost(stats: WriteStats) -> Record:
             return Record(
                 "metrics",
                 self.run_id,
-                step=write_cost_step,
+                step=step,
                 values=dict(
                     zip(WRITE_COST_METRICS, (stats.wall_s, stats.cpu_s, float(stats.writes)))
                 ),
             )
 
-        return self._outbox.close(
-            timeout_s, last=write_cost if write_cost_step is not None else None
-        )
+        return self._outbox.close(timeout_s, last=write_cost)
 
     def previous_attempts(self) -> int:
         """How many times training already started in this run (restarts after worker failures)."""

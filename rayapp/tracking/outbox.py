@@ -25,6 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 FALLBACK_SUFFIX = ".mlflow-fallback.jsonl"
 GRACE_ENV = "RAYAPP_MLFLOW_GRACE_S"
@@ -47,7 +51,7 @@ class Record:
     run_id: str
     step: int = 0
     timestamp_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-    values: dict = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
     """metrics: {key: float}; tags: {key: str}; artifact: {path, artifact_path}; status: {status}."""
 
 
@@ -80,7 +84,7 @@ def leading_write(records: list[Record]) -> int:
     return count
 
 
-def deliver(client, records: list[Record]) -> None:
+def deliver(client: MlflowClient, records: list[Record]) -> None:
     """Send records in order, consecutive metrics records of one run in one batch; raises on the first failure."""
     while records:
         count = leading_write(records)
@@ -88,7 +92,7 @@ def deliver(client, records: list[Record]) -> None:
         records = records[count:]
 
 
-def _write(client, records: list[Record]) -> None:
+def _write(client: MlflowClient, records: list[Record]) -> None:
     """One MLflow call: several metrics records of one run, or one record of any kind."""
     from mlflow.entities import Metric, RunTag
 
@@ -141,7 +145,7 @@ class Outbox:
         self._thread.start()
 
     @property
-    def client(self):
+    def client(self) -> MlflowClient:
         return self._client
 
     def put(self, record: Record) -> None:

@@ -12,9 +12,12 @@ import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayapp.spec import JobSpec
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 EPOCH_METRICS = (
     "loss",
@@ -91,9 +94,9 @@ def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
         "optimizer": spec.train.optimizer,
         "loss": spec.loss,
         "model": spec.model.factory
-        or (spec.model.kind + (f"{list(spec.model.hidden)}" if spec.model.hidden else "")),
+        or f"{spec.model.kind}{list(spec.model.hidden) if spec.model.hidden else ''}",
         "data": spec.data.factory
-        or spec.data.kind,  # what the built-in loop trains; a user's loop builds its own
+        or str(spec.data.kind),  # what the built-in loop trains; a user's loop builds its own
         # A user's data set is sized when built; rank 0 logs the figures as metrics then.
         "steps_per_epoch": str(spec.steps_per_epoch)
         if spec.steps_per_epoch is not None
@@ -144,7 +147,7 @@ TRAINING_EXPERIMENT_KIND = "custom_model_development"
 """What the MLflow UI reads to open an experiment in its model-training view (not the GenAI one)."""
 
 
-def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+def get_or_create_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str:
     """The experiment's id, created if need be, tagged as a model-training experiment unless the
     user gave it a kind of their own."""
     experiment = client.get_experiment_by_name(name)
@@ -196,9 +199,9 @@ def open_run(
     all_tags = dict(tags)
     if parent_run_id:
         all_tags[TAG_PARENT] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
-    client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
-    return run.info.run_id
+    run_id: str = client.create_run(experiment_id, run_name=run_name, tags=all_tags).info.run_id
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+    return run_id
 
 
 def close_run(tracking_uri: str, run_id: str, status: str) -> None:
