@@ -1,4 +1,5 @@
-"""The `rayapp` command group. Each command lives in the module of its stage; this one gathers them."""
+"""The `rayapp` command group. Each command lives in the module of its stage; this one gathers
+them."""
 
 from __future__ import annotations
 
