@@ -105,7 +105,8 @@ def status() -> None:
     _say(f"node processes: {', '.join(str(pid) for pid in record.leaders)}; logs: {record.log_dir}")
     if warm.preloaded_driver_socket() is not None:
         _say(
-            f"preloaded driver: process {', '.join(str(pid) for pid in record.driver)}, socket {warm.driver_socket()}"
+            f"preloaded driver: process {', '.join(str(pid) for pid in record.driver)}, "
+            f"socket {warm.driver_socket()}"
         )
     else:
         _say("preloaded driver: not running (submits start their own)")
