@@ -1,4 +1,5 @@
-"""What every command shares: help settings, exit codes, and one-line errors instead of tracebacks."""
+"""What every command shares: help settings, exit codes, and one-line errors instead of
+tracebacks."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def friendly_errors(command: Callable) -> Callable:
 
 
 def quiet_library_logs() -> None:
-    """MLflow announces database migrations and Ray its connections at INFO; a person needs neither."""
+    """MLflow announces database migrations and Ray its connections at INFO; a person needs
+    neither."""
     import logging
 
     os.environ.setdefault(
