@@ -152,7 +152,8 @@ def logs(submission_id: str, follow: bool, address: str) -> None:
         stream_logs(client, submission_id, address, _write)
     except KeyboardInterrupt:
         click.echo(
-            f"\nstopped following; job {submission_id} is not affected (rayapp stop {submission_id} stops it)"
+            f"\nstopped following; job {submission_id} is not "
+            f"affected (rayapp stop {submission_id} stops it)"
         )
         sys.exit(EXIT_INTERRUPTED)
 
@@ -196,7 +197,8 @@ def stop(submission_id: str, address: str, timeout: float) -> None:
 def submit_remote(
     spec: JobSpec, *, job_yaml: str | None, detach: bool, schedule_timeout_s: float
 ) -> int:
-    """Submit `spec` to the Jobs API at spec.cluster.address, then follow it; returns the exit code."""
+    """Submit `spec` to the Jobs API at spec.cluster.address, then follow it; returns the exit
+    code."""
     from rayapp.launch import remote_job
 
     try:
@@ -221,8 +223,8 @@ def submit_remote(
         click.echo(f"  code: {submission.code_from} went with the job")
     if "://" not in spec.cluster.storage_path:
         click.echo(
-            f"  note: checkpoints go to {spec.cluster.storage_path!r} on the cluster's nodes; on a multi-machine "
-            "cluster pass shared storage, e.g. --storage-path s3://BUCKET/rayapp"
+            f"  note: checkpoints go to {spec.cluster.storage_path!r} on the cluster's nodes; on "
+            "a multi-machine cluster pass shared storage, e.g. --storage-path s3://BUCKET/rayapp"
         )
     print_follow_commands(submission_id, address)
     if detach:
@@ -242,7 +244,8 @@ def print_follow_commands(submission_id: str, address: str) -> None:
 
 
 def follow(client: Any, submission_id: str, address: str) -> int:
-    """Stream the job's logs until it ends; 0 if it SUCCEEDED, else 1. Ctrl-C asks: stop or detach."""
+    """Stream the job's logs until it ends; 0 if it SUCCEEDED, else 1. Ctrl-C asks: stop or
+    detach."""
     click.echo("streaming the job's output (Ctrl-C to stop or detach):")
     try:
         stream_logs(client, submission_id, address, _write)
@@ -273,7 +276,8 @@ def on_interrupt(client: Any, submission_id: str, address: str) -> int:
     click.echo("")
     if not sys.stdin.isatty():
         click.echo(
-            f"interrupted; no terminal to ask whether to stop it, so job {submission_id} keeps running (detached)"
+            "interrupted; no terminal to ask whether to stop it, "
+            f"so job {submission_id} keeps running (detached)"
         )
         print_follow_commands(submission_id, address)
         return 0
@@ -294,7 +298,8 @@ def on_interrupt(client: Any, submission_id: str, address: str) -> int:
         status = stop_job(client, submission_id, address, timeout_s=STOP_TIMEOUT_S)
     except KeyboardInterrupt:
         click.echo(
-            f"not waiting; check that it stopped with rayapp status {submission_id} --address {address}"
+            "not waiting; check that it stopped with rayapp "
+            f"status {submission_id} --address {address}"
         )
         return EXIT_INTERRUPTED
     click.echo(f"job {submission_id} {status}")
