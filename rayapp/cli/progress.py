@@ -63,14 +63,16 @@ class EpochPrinter:
             self._console.print(f"  view:  {page}")
             return
         self._console.print(
-            f"  view:  rayapp ui --tracking-uri '{result.tracking_uri}'   or   rayapp runs --experiment '{result.experiment}'"
+            f"  view:  rayapp ui --tracking-uri '{result.tracking_uri}'   or   "
+            f"rayapp runs --experiment '{result.experiment}'"
         )
 
 
 def epoch_line(metrics: dict, epochs: int) -> str:
-    """``epoch 3/10  loss 0.41  time 1.20s  8,000 samples/s  comm 0.10s  test acc 0.951  val_loss 1.2``:
-    the loop's loss first, the standard timings, then whatever else the loop logged (a custom loop
-    or a script may log no `loss` and no communication time)."""
+    """One epoch's line: the loop's loss first, the standard timings, then whatever else the loop
+    logged (a custom loop or a script may log no `loss` and no communication time), e.g.
+    ``epoch 3/10  loss 0.41  time 1.20s  8,000 samples/s  comm 0.10s  test acc 0.951  val_loss 1.2``
+    """
     parts = [f"epoch {metrics['epoch'] + 1:>{len(str(epochs))}}/{epochs}"]
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.5f}")
