@@ -54,7 +54,8 @@ def ui(tracking_uri: str | None, port: int) -> None:
             f"--tracking-uri {uri!r} is a tracking server already; open it in a browser instead"
         )
     click.echo(
-        f"MLflow UI for {uri} on http://127.0.0.1:{port}/#/experiments?{UI_TRAINING_VIEW} (Ctrl-C to stop)"
+        f"MLflow UI for {uri} on "
+        f"http://127.0.0.1:{port}/#/experiments?{UI_TRAINING_VIEW} (Ctrl-C to stop)"
     )
     # One web worker and no background job runner: a local UI for one person needs no more, and
     # on a small machine the defaults (4 workers and a job runner) take half a minute to answer.
@@ -104,7 +105,8 @@ def compare(
     fmt: str,
     plot_path: str | None,
 ) -> None:
-    """Compare runs: epoch time, speedup, scaling efficiency, comm share, and the ideal beside the measured.
+    """Compare runs: epoch time, speedup, scaling efficiency, comm share, and the ideal beside the
+    measured.
 
     Beside them, what explains them: start-up times and each node's mean CPU use in the table,
     and with --plot, where a steady epoch's time goes (compute, comm, data, other) per run.
