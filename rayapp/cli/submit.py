@@ -1,4 +1,5 @@
-"""`rayapp submit` and `rayapp bench`: build the job spec from a YAML and flags, hand it to the driver."""
+"""`rayapp submit` and `rayapp bench`: build the job spec from a YAML and flags, hand it to the
+driver."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def split_arguments(
     )
     if rest and not script:
         raise SpecError(
-            f"{rest[0]!r}: unexpected argument; give one JOB_YAML (arguments after -- are for --script)"
+            f"{rest[0]!r}: unexpected argument; give one "
+            "JOB_YAML (arguments after -- are for --script)"
         )
     return job_yaml, rest
 
@@ -83,7 +85,10 @@ def split_arguments(
     "--detach/--wait",
     "--no-wait/ ",
     default=False,
-    help="With a Jobs API address (http://HEAD:8265): return once submitted instead of streaming logs.",
+    help=(
+        "With a Jobs API address (http://HEAD:8265): "
+        "return once submitted instead of streaming logs."
+    ),
 )
 @click.option(
     "--parent-run-id", hidden=True, help="Nest the MLflow run under this parent (used by bench)."
@@ -112,7 +117,8 @@ def submit(
       rayapp submit --nodes 2 --strategy fsdp --precision bf16 jobs/digits_mlp.yaml
       rayapp submit --nodes 2 examples/cnn_digits/job.yaml          # your model and data by factory
       rayapp submit --nodes 2 --script examples/article_ddp/train.py -- --epochs 3
-      rayapp submit --address http://127.0.0.1:8265 --nodes 2 --tracking-uri http://MLFLOW:5000 jobs/seed_linear.yaml
+      rayapp submit --address http://127.0.0.1:8265 --nodes 2 \\
+        --tracking-uri http://MLFLOW:5000 jobs/seed_linear.yaml
     """
     from rayapp.cli.progress import EpochPrinter
     from rayapp.driver.submit import SubmitOptions
