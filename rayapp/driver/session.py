@@ -1,4 +1,5 @@
-"""The Ray side of a submission: the cluster the job runs on and the queue its progress comes back by."""
+"""The Ray side of a submission: the cluster the job runs on and the queue its progress comes back
+by."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ LOCAL_RAY_TRAIN_SETTINGS = {
     # Ray Train's preemption watcher (one more actor process per job) follows nodes that a cloud
     # drains before taking them away; nodes on this machine are never drained.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    # Ray Train's Prometheus metrics: nothing scrapes them on this machine (rayapp's own go to MLflow).
+    # Ray Train's Prometheus metrics: nothing scrapes them on this machine (rayapp's own go to
+    # MLflow).
     "RAY_TRAIN_METRICS_ENABLED": "0",
 }
 """Ray Train settings for jobs on the embedded or warm cluster, where they cut start-up work that
@@ -40,7 +42,8 @@ serves only real clusters (docs/benchmarks.md, "Warm cluster"). A value set by t
 
 
 def first_line(exc: BaseException) -> str:
-    """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person needs."""
+    """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person
+    needs."""
     cause = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__
@@ -111,7 +114,8 @@ def ray_cluster(
             running.check_fits(spec.cluster.nodes)
             driver = ", from its preloaded driver" if warm.PRELOADED_DRIVER else ""
             status(
-                f"using the warm cluster: {running.describe()}{driver} (`rayapp cluster down` stops it)"
+                f"using the warm cluster: {running.describe()}{driver} "
+                "(`rayapp cluster down` stops it)"
             )
             running.prepare_client()
             connect(
