@@ -1,4 +1,5 @@
-"""The driver: connect to (or start) a Ray cluster, open the MLflow run, build the TorchTrainer, fit.
+"""The driver: connect to (or start) a Ray cluster, open the MLflow run, build the TorchTrainer,
+fit.
 
 The driver only builds Ray Train objects and watches; the training itself is in
 :mod:`rayapp.train`.
@@ -19,6 +20,7 @@ from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import build_trainer, storage_path, trial_name
 from rayapp.errors import RayappError
 from rayapp.launch import working_dir
+from rayapp.launch.node_check import check_nodes
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import (
@@ -95,6 +97,13 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0)
             )
             check_precision(spec, backend)
+            if spec.cluster.address:  # a real cluster, whose nodes may be other machines
+                status("checking from every node: storage path, MLflow, packages")
+                check_nodes(
+                    storage_path(spec.cluster.storage_path),
+                    tracking_uri,
+                    credentials=credentials_from_env(),
+                )
             run_id = open_run(
                 tracking_uri=tracking_uri,
                 experiment=spec.tracking.experiment,
@@ -112,7 +121,8 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
             try:
                 with progress_pump(options.on_progress) as progress_queue:
                     status(
-                        f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} node(s), backend {backend}"
+                        f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} "
+                        f"node(s), backend {backend}"
                     )
                     trainer = build_trainer(
                         spec,
@@ -144,7 +154,8 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                     f"training failed: {cause} (MLflow run {run_id} marked FAILED)"
                 ) from exc
     finally:
-        # Only now, with the workers gone: none of them can still be writing the epochs filled in here.
+        # Only now, with the workers gone: none of them can still be writing the epochs filled in
+        # here.
         if run_id is not None and fallback is not None:
             if outcome != "FINISHED":
                 _backfill_from_checkpoint(spec, tracking_uri, run_id, status)
@@ -173,8 +184,9 @@ def prepare_user_code(
         script = _script_path(spec.train.script, job_file)
         if code_dir is None or not script.is_relative_to(code_dir):
             raise SpecError(
-                f"train.script: {spec.train.script!r} is outside the working directory {str(code_dir)!r} "
-                "that travels to the workers; pass --working-dir with a directory that holds it"
+                f"train.script: {spec.train.script!r} is outside the "
+                f"working directory {str(code_dir)!r} that travels to the "
+                "workers; pass --working-dir with a directory that holds it"
             )
         spec = dataclasses.replace(
             spec,
@@ -186,10 +198,12 @@ def prepare_user_code(
     upload = working_dir.plan(code_dir)
     for relative, size in upload.large_files:
         status(
-            f"left out of the code upload: {relative} ({size / 2**20:.0f} MiB; put data in shared storage)"
+            f"left out of the code upload: {relative} "
+            f"({size / 2**20:.0f} MiB; put data in shared storage)"
         )
     status(
-        f"your code travels to the workers from {upload.path} ({upload.total_bytes / 2**10:.0f} KiB)"
+        f"your code travels to the workers from {upload.path} "
+        f"({upload.total_bytes / 2**10:.0f} KiB)"
     )
     return spec, upload.runtime_env()
 
@@ -245,7 +259,8 @@ def _backfill_from_checkpoint(
         epochs = backfill_epochs(tracking_uri, run_id, trial_dir)
     except Exception as exc:  # MLflow unreachable: the checkpoints still hold the figures
         status(
-            f"could not log the last checkpoint's epochs to MLflow ({type(exc).__name__}); they stay in {trial_dir}"
+            "could not log the last checkpoint's epochs to MLflow "
+            f"({type(exc).__name__}); they stay in {trial_dir}"
         )
         return
     if epochs:
@@ -269,7 +284,8 @@ def _spans(numbers: list[int]) -> str:
 def _close_run_or_save(
     tracking_uri: str, run_id: str, outcome: str, fallback: str, status: Callable[[str], None]
 ) -> None:
-    """Mark the run's end; if the server is gone, keep the status with the other undelivered records."""
+    """Mark the run's end; if the server is gone, keep the status with the other undelivered
+    records."""
     from rayapp.tracking.outbox import CLIENT_ENV, Record, append_fallback
 
     os.environ.update(CLIENT_ENV)  # fail each try in seconds; the retries are here
