@@ -17,7 +17,8 @@ from rayapp.tracking.run import close_run, environment_tags, open_run, resolve_t
 
 PLOT_ARTIFACT = "scaling.png"
 BREAKDOWN_ARTIFACT = "time_breakdown.png"
-"""The breakdown panel of scaling.png on its own, named for the question it answers in the MLflow UI."""
+"""The breakdown panel of scaling.png on its own, named for the question it answers in the MLflow
+UI."""
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -27,7 +28,8 @@ def parse_sizes(text: str) -> list[int]:
         piece = piece.strip()
         if not piece.isdigit() or int(piece) < 1:
             raise SpecError(
-                f"--nodes: {piece!r} in {text!r} is not accepted; use whole numbers >= 1, e.g. 1,2,4"
+                f"--nodes: {piece!r} in {text!r} is not accepted; "
+                "use whole numbers >= 1, e.g. 1,2,4"
             )
         sizes.append(int(piece))
     if len(set(sizes)) != len(sizes):
@@ -97,7 +99,8 @@ def run_sweep(
 def _log_report(
     tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: Path | None
 ) -> Path:
-    """Table (markdown/csv/json) and plots as artifacts of the parent run; the scaling plot also saved locally."""
+    """Table (markdown/csv/json) and plots as artifacts of the parent run; the scaling plot also
+    saved locally."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
