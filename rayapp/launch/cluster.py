@@ -75,11 +75,13 @@ class EmbeddedCluster:
     nodes: int
     cpus_per_node: int
     gpus_per_node: int = 0
-    """This machine's GPUs, dealt out to the nodes in disjoint sets (CUDA_VISIBLE_DEVICES per node)."""
+    """This machine's GPUs, dealt out to the nodes in disjoint sets (CUDA_VISIBLE_DEVICES per
+    node)."""
     include_dashboard: bool = False
     log_dir: Path | None = None
     token: str = _PROCESS_TOKEN
-    """Ray's auth token for this cluster; a warm cluster has one of its own, kept in its state file."""
+    """Ray's auth token for this cluster; a warm cluster has one of its own, kept in its state
+    file."""
     address: str = ""
     dashboard_url: str | None = None
     _processes: list[subprocess.Popen] = field(default_factory=list)
@@ -176,9 +178,10 @@ class EmbeddedCluster:
             *args,
         ]
         log = open(self.log_dir / f"node-{index}.log", "a")
-        # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray Train's
-        # placement-group cleaner asks every second) find this one, not the one the last plain `ray
-        # start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end with it.
+        # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray
+        # Train's placement-group cleaner asks every second) find this one, not the one the last
+        # plain `ray start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end
+        # with it.
         env = dict(
             os.environ,
             RAY_USAGE_STATS_ENABLED="0",
@@ -210,7 +213,8 @@ class EmbeddedCluster:
         """Start worker node `index` again after it was lost, with the same IP and resources."""
         if not 0 < index < len(self._processes):
             raise ValueError(
-                f"node index {index} is not a worker node of this cluster (1..{len(self._processes) - 1})"
+                f"node index {index} is not a worker node of this cluster "
+                f"(1..{len(self._processes) - 1})"
             )
         self._start_node(index, [f"--address={self.address}"])
 
@@ -229,10 +233,10 @@ class EmbeddedCluster:
         replace_after_s: float = 0.0,
     ) -> None:
         """Start again any worker node that goes away (every process of it killed, as when a machine
-        of a real cluster is lost), replace_after_s later, as an autoscaler would bring a replacement:
-        Ray Train, with failures left to recover from, then resumes from the last checkpoint on the
-        full cluster (an elastic run goes on with the nodes left meanwhile, then grows back).
-        The head holds the cluster's state (GCS) and is not replaced."""
+        of a real cluster is lost), replace_after_s later, as an autoscaler would bring a
+        replacement: Ray Train, with failures left to recover from, then resumes from the last
+        checkpoint on the full cluster (an elastic run goes on with the nodes left meanwhile, then
+        grows back). The head holds the cluster's state (GCS) and is not replaced."""
         lost_since: dict[int, float] = {}
 
         def watch() -> None:
@@ -262,8 +266,8 @@ class EmbeddedCluster:
         for index, process in enumerate(self._processes):
             if process.poll() is not None:
                 raise RayappError(
-                    f"embedded Ray node {index} ({node_ip(index)}) exited with code {process.returncode}; "
-                    f"see {self.log_dir / f'node-{index}.log'}"
+                    f"embedded Ray node {index} ({node_ip(index)}) exited with code "
+                    f"{process.returncode}; see {self.log_dir / f'node-{index}.log'}"
                 )
 
     def _wait_for_head(self) -> None:
@@ -278,11 +282,13 @@ class EmbeddedCluster:
             except OSError:
                 time.sleep(0.3)
         raise RayappError(
-            f"embedded Ray head did not start within {NODE_START_TIMEOUT_S:.0f}s; see {self.log_dir}"
+            f"embedded Ray head did not start within {NODE_START_TIMEOUT_S:.0f}s; "
+            f"see {self.log_dir}"
         )
 
     def wait_for_nodes(self) -> None:
-        """After ray.init(): poll until every node is alive; fail fast if a `ray start` process died."""
+        """After ray.init(): poll until every node is alive; fail fast if a `ray start` process
+        died."""
         import ray
 
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
@@ -292,8 +298,8 @@ class EmbeddedCluster:
                 return
             time.sleep(0.3)
         raise RayappError(
-            f"embedded Ray cluster did not reach {self.nodes} nodes within {NODE_START_TIMEOUT_S:.0f}s; "
-            f"see logs in {self.log_dir}"
+            f"embedded Ray cluster did not reach {self.nodes} nodes within "
+            f"{NODE_START_TIMEOUT_S:.0f}s; see logs in {self.log_dir}"
         )
 
     def stop(self, *, keep_logs: bool = False) -> None:
