@@ -25,9 +25,12 @@ TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_TIMEOUT_S = 60.0
 # How long a submission retries while the head has no job agent yet (right after `ray up`).
 AGENT_WAIT_S = 30.0
+REACH_TIMEOUT_S = 10.0
+"""How long the head has to answer at all: a dropped connection (an address no machine holds, a
+firewall) would otherwise wait minutes for the operating system to give up."""
 TUNNEL_HINT = (
-    "for a cloud cluster, open the SSH tunnel first with `ray dashboard cluster_configs/<cloud>.yaml` "
-    f"and use --address {DEFAULT_DASHBOARD_ADDRESS}"
+    "for a cloud cluster, open the SSH tunnel first with `ray dashboard "
+    f"cluster_configs/<cloud>.yaml` and use --address {DEFAULT_DASHBOARD_ADDRESS}"
 )
 
 
@@ -36,7 +39,8 @@ def normalize_address(address: str) -> str:
 
 
 def default_address() -> str:
-    """$RAY_ADDRESS when it is a dashboard URL, else the local dashboard (or an SSH tunnel to one)."""
+    """$RAY_ADDRESS when it is a dashboard URL, else the local dashboard (or an SSH tunnel to
+    one)."""
     env = os.environ.get("RAY_ADDRESS", "").strip()
     return env if env.startswith(("http://", "https://")) else DEFAULT_DASHBOARD_ADDRESS
 
@@ -63,7 +67,8 @@ def use_token_if_available() -> None:
 
 
 def quiet_ray_client_logs() -> None:
-    """Importing Ray sets its loggers to INFO; the client's upload and websocket notices are not for a person."""
+    """Importing Ray sets its loggers to INFO; the client's upload and websocket notices are not for
+    a person."""
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if (name == "ray" or name.startswith("ray.")) and isinstance(logger, logging.Logger):
             if logger.level < logging.WARNING:
@@ -75,6 +80,7 @@ def connect(address: str) -> Any:
     if not address.startswith(("http://", "https://")):
         raise RayappError(f"--address {address!r} is not a Ray Jobs API URL; use http://HEAD:8265")
     use_token_if_available()
+    check_reachable(address)  # Ray's client waits as long as the operating system does
     from ray.job_submission import JobSubmissionClient
 
     quiet_ray_client_logs()
@@ -95,8 +101,9 @@ def api_errors(address: str, submission_id: str | None = None) -> Iterator[None]
         text = str(exc)
         if "Authentication failed" in text or "403" in text:
             raise RayappError(
-                f"the Ray cluster at {address} rejected this machine's token; get the cluster's token "
-                "(the file ~/.ray/auth_token on the head node) and point RAY_AUTH_TOKEN_PATH at it"
+                f"the Ray cluster at {address} rejected this machine's "
+                "token; get the cluster's token (the file ~/.ray/auth_token "
+                "on the head node) and point RAY_AUTH_TOKEN_PATH at it"
             ) from None
         raise RayappError(
             f"the Ray cluster at {address} requires a token; export RAY_AUTH_MODE=token and "
@@ -108,14 +115,15 @@ def api_errors(address: str, submission_id: str | None = None) -> Iterator[None]
         ) from None
     except requests.exceptions.RequestException as exc:
         raise RayappError(
-            f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: {one_line(str(exc))}); {TUNNEL_HINT}"
+            f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: "
+            f"{one_line(str(exc))}); {TUNNEL_HINT}"
         ) from None
     except RuntimeError as exc:
         text = one_line(str(exc))
         if submission_id and ("404" in text or "does not exist" in text):
             raise RayappError(
-                f"no job {submission_id!r} on the Ray cluster at {address}; `rayapp status --address {address}` "
-                "lists its jobs"
+                f"no job {submission_id!r} on the Ray cluster at {address}; "
+                f"`rayapp status --address {address}` lists its jobs"
             ) from None
         if "Version check returned 404" in text or "Jobs API is not supported" in text:
             raise RayappError(
@@ -153,8 +161,9 @@ def stream_logs(
         raise
     except Exception as exc:  # the websocket dropped: the tunnel or the dashboard went away
         raise RayappError(
-            f"lost the log stream of job {submission_id} from {address} ({one_line(str(exc)) or type(exc).__name__}); "
-            f"the job may still be running: rayapp status {submission_id} --address {address}"
+            f"lost the log stream of job {submission_id} from {address} "
+            f"({one_line(str(exc)) or type(exc).__name__}); the job may still "
+            f"be running: rayapp status {submission_id} --address {address}"
         ) from None
 
 
@@ -205,7 +214,70 @@ def submit_with_retry(submit: Any, address: str) -> None:
                 submit()
             return
         except RayappError as exc:
-            # A cluster that has just started has no job agent registered yet; Ray says "try again later".
+            # A cluster that has just started has no job agent registered yet; Ray says "try again
+            # later".
             if "No available agent" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(2.0)
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Fail within timeout_s when nothing answers at `address` (the dashboard's health check,
+    which needs no token)."""
+    import requests
+
+    try:
+        requests.get(f"{address}/api/healthz", timeout=timeout_s)
+    except requests.exceptions.ConnectTimeout:
+        raise RayappError(
+            f"no answer from {address} within {timeout_s:g} s: nothing took the connection "
+            "(a wrong address, a head that is down, or a firewall dropping the port); "
+            f"{TUNNEL_HINT}"
+        ) from None
+    except requests.exceptions.ReadTimeout:
+        raise RayappError(
+            f"{address} took the connection but sent no answer within {timeout_s:g} s; "
+            "is it the head's dashboard (port 8265)?"
+        ) from None
+    except requests.exceptions.ConnectionError:
+        raise RayappError(
+            f"cannot reach the Ray Jobs API at {address}: nothing answers there; {TUNNEL_HINT}"
+        ) from None
+    except requests.exceptions.RequestException as exc:
+        raise RayappError(
+            f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: "
+            f"{one_line(str(exc))}); {TUNNEL_HINT}"
+        ) from None
+
+
+def cluster_ray_version(address: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """The Ray version the cluster's dashboard reports; None when it does not say."""
+    import requests
+
+    try:
+        from ray._private.authentication.http_token_authentication import (
+            get_auth_headers_if_auth_enabled,
+        )
+
+        headers = get_auth_headers_if_auth_enabled({})
+    except ImportError:  # a Ray without token auth
+        headers = {}
+    try:
+        response = requests.get(f"{address}/api/version", headers=headers, timeout=timeout_s)
+        return str(response.json()["ray_version"]) if response.status_code == 200 else None
+    except (requests.exceptions.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
+def ray_version_problem(
+    address: str, cluster_version: str | None, local_version: str
+) -> str | None:
+    """One line when this machine's Ray differs from the cluster's; None when they match or the
+    cluster did not say."""
+    if cluster_version is None or cluster_version == local_version:
+        return None
+    return (
+        f"the Ray cluster at {address} runs Ray {cluster_version} and this machine Ray "
+        f"{local_version}; install the cluster's version here (pip install "
+        f"'ray[default,train]=={cluster_version}') or the same Ray on the cluster's nodes"
+    )
