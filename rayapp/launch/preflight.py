@@ -26,8 +26,9 @@ def resolve_backend(requested: str, *, gpus_in_cluster: float) -> str:
 
         if not dist.is_mpi_available():
             raise RayappError(
-                "backend 'mpi' is not available: this torch build has no MPI support; build PyTorch from source "
-                "against an MPI library (USE_MPI=1), or use --backend gloo (CPU) / nccl (GPU)"
+                "backend 'mpi' is not available: this torch build has no MPI "
+                "support; build PyTorch from source against an MPI library "
+                "(USE_MPI=1), or use --backend gloo (CPU) / nccl (GPU)"
             )
     return requested
 
@@ -49,14 +50,16 @@ def shortfall(spec: JobSpec, nodes: list[dict], *, use_gpu: bool) -> str | None:
         return None
     need = f"{per_node_cpus} CPU" + (f" + {per_node_gpus} GPU" if per_node_gpus else "")
     return (
-        f"--nodes {spec.cluster.nodes_label} with --workers-per-node {spec.cluster.workers_per_node} needs "
-        f"{'at least ' if spec.cluster.elastic else ''}{needed} node(s) with {need} each; the cluster has "
-        f"{len(alive)} alive node(s), {len(fitting)} of them large enough"
+        f"--nodes {spec.cluster.nodes_label} with --workers-per-node "
+        f"{spec.cluster.workers_per_node} needs "
+        f"{'at least ' if spec.cluster.elastic else ''}{needed} node(s) with {need} each; "
+        f"the cluster has {len(alive)} alive node(s), {len(fitting)} of them large enough"
     )
 
 
 def check_capacity(spec: JobSpec, *, wait_s: float = 0.0, poll_s: float = 1.0) -> None:
-    """Raise RayappError naming what is short, after waiting up to wait_s for the cluster to grow."""
+    """Raise RayappError naming what is short, after waiting up to wait_s for the cluster to
+    grow."""
     import ray
 
     use_gpu = spec.cluster.backend == "nccl" or (
@@ -76,13 +79,17 @@ def check_capacity(spec: JobSpec, *, wait_s: float = 0.0, poll_s: float = 1.0) -
             _request_bundles(spec, use_gpu=use_gpu)
             asked_autoscaler = True
         if time.monotonic() >= deadline:
-            hint = "lower --nodes, or pass --schedule-timeout SECONDS to wait for an autoscaling cluster"
+            hint = (
+                "lower --nodes, "
+                "or pass --schedule-timeout SECONDS to wait for an autoscaling cluster"
+            )
             raise RayappError(f"{missing}; {hint}")
         time.sleep(poll_s)
 
 
 def _request_bundles(spec: JobSpec | None, *, use_gpu: bool = False) -> None:
-    """Ask the autoscaler for one bundle per node (None clears the request). No-op without an autoscaler."""
+    """Ask the autoscaler for one bundle per node (None clears the request). No-op without an
+    autoscaler."""
     from ray.autoscaler.sdk import request_resources
 
     if spec is None:
@@ -105,17 +112,19 @@ def check_local_machine(spec: JobSpec) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec.cluster.backend == "nccl" and not gpus:
         raise SpecError(
-            "cluster.backend: 'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto"
+            "cluster.backend: "
+            "'nccl' is not accepted on this machine (no CUDA GPU); use gloo or auto"
         )
     if spec.single_process and gpus < 2:
         raise SpecError(
-            f"train.strategy: {spec.train.strategy!r} needs at least 2 CUDA GPUs on one node and this machine "
-            f"has {gpus}; use ddp or fsdp (they run on CPUs too)"
+            f"train.strategy: {spec.train.strategy!r} needs at least 2 CUDA GPUs on one node and "
+            f"this machine has {gpus}; use ddp or fsdp (they run on CPUs too)"
         )
     if spec.cluster.backend == "mpi" and not dist.is_mpi_available():
         raise SpecError(
-            "cluster.backend: 'mpi' is not available in this torch build (no MPI support); build PyTorch "
-            "from source against an MPI library (USE_MPI=1), or use gloo (CPU) / nccl (GPU)"
+            "cluster.backend: 'mpi' is not available in this torch "
+            "build (no MPI support); build PyTorch from source against "
+            "an MPI library (USE_MPI=1), or use gloo (CPU) / nccl (GPU)"
         )
     if spec.train.precision == "fp16" and not gpus:
         raise SpecError(
@@ -128,5 +137,6 @@ def check_precision(spec: JobSpec, backend: str) -> None:
     """fp16 trains on GPUs only; on a connected cluster the backend says whether it has any."""
     if spec.train.precision == "fp16" and backend != "nccl":
         raise SpecError(
-            f"train.precision: 'fp16' is not accepted on a {backend} (CPU) cluster; use bf16 or fp32"
+            "train.precision: "
+            f"'fp16' is not accepted on a {backend} (CPU) cluster; use bf16 or fp32"
         )
