@@ -109,14 +109,15 @@ def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) ->
 
 
 def _relative_to(spec: JobSpec, code_dir: Path) -> JobSpec:
-    """The spec as it runs from the copy of code_dir: a script named relative to it, no local dir."""
+    """The spec as it runs from the copy of code_dir: a script named relative to it, no local
+    dir."""
     train = spec.train
     if train.script:
         script = Path(train.script).expanduser().resolve()
         if not script.is_relative_to(code_dir):
             raise RayappError(
-                f"--script {train.script!r} is outside {code_dir}, the directory that goes with the "
-                "job; pass --working-dir with a directory that holds it"
+                f"--script {train.script!r} is outside {code_dir}, the directory that goes with "
+                "the job; pass --working-dir with a directory that holds it"
             )
         train = dataclasses.replace(train, script=script.relative_to(code_dir).as_posix())
     return dataclasses.replace(
@@ -153,8 +154,9 @@ def cluster_tracking_uri(spec: JobSpec, address: str) -> str:
             else ("$MLFLOW_TRACKING_URI" if given else "the default MLflow store")
         )
         raise RayappError(
-            f"{source} {uri!r} is a store on this machine, which the Ray cluster at {address} cannot write to; "
-            "pass --tracking-uri http://MLFLOW_HOST:5000 (the team's `mlflow server`, see docs/clusters.md)"
+            f"{source} {uri!r} is a store on this machine, which the Ray cluster at "
+            f"{address} cannot write to; pass --tracking-uri http://MLFLOW_HOST:5000 "
+            "(the team's `mlflow server`, see docs/clusters.md)"
         )
     return uri
 
