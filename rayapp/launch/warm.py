@@ -1,4 +1,5 @@
-"""A warm embedded cluster: started once by `rayapp cluster up`, used by every later submit and bench.
+"""A warm embedded cluster: started once by `rayapp cluster up`, used by every later submit and
+bench.
 
 Starting an embedded cluster costs several seconds of each short job. A warm one keeps its
 `ray start --block` nodes running after `rayapp cluster up` exits; a state file in the user's
@@ -75,14 +76,18 @@ class WarmCluster:
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.started_at))
-        return f"{self.nodes} node(s) x {self.cpus_per_node} CPU(s) at {self.address}, up since {since}"
+        return (
+            f"{self.nodes} node(s) x {self.cpus_per_node} CPU(s) at {self.address}, "
+            f"up since {since}"
+        )
 
     def check_fits(self, nodes: int) -> None:
         """A job may use the warm cluster's nodes or fewer of them, never more."""
         if nodes > self.nodes:
             raise SpecError(
-                f"cluster.nodes: {nodes} is more than the warm cluster's {self.nodes} node(s) ({self.address}); "
-                f"use --nodes {self.nodes} or fewer, or `rayapp cluster down` and `rayapp cluster up --nodes {nodes}`"
+                f"cluster.nodes: {nodes} is more than the warm cluster's {self.nodes} "
+                f"node(s) ({self.address}); use --nodes {self.nodes} or fewer, or "
+                f"`rayapp cluster down` and `rayapp cluster up --nodes {nodes}`"
             )
 
 
@@ -131,7 +136,8 @@ def _running(processes: dict[int, str]) -> bool:
 
 
 def find(status: Callable[[str], None] = lambda _: None) -> WarmCluster | None:
-    """The warm cluster when one is alive; a record whose processes are gone is removed, and said."""
+    """The warm cluster when one is alive; a record whose processes are gone is removed, and
+    said."""
     path = state_file()
     try:
         record = _read(path)
@@ -147,7 +153,8 @@ def find(status: Callable[[str], None] = lambda _: None) -> WarmCluster | None:
     stop_leaders(record.leaders)  # any node of it that is still up (one died, the rest did not)
     _forget(record, path)
     status(
-        f"removed a stale warm-cluster record {path}: its nodes are gone (stopped, or the machine restarted)"
+        f"removed a stale warm-cluster record {path}: "
+        "its nodes are gone (stopped, or the machine restarted)"
     )
     return None
 
