@@ -118,9 +118,9 @@ def plan(directory: Path) -> WorkingDir:
     limit = ray_upload_limit_bytes()
     if total >= limit:
         raise SpecError(
-            f"cluster.working_dir: {str(directory)!r} holds {total / 2**20:.0f} MiB of files to upload, over "
-            f"Ray's limit of {limit / 2**20:.0f} MiB; point --working-dir at the directory with just your code, "
-            "or list large paths in a .rayignore file there"
+            f"cluster.working_dir: {str(directory)!r} holds {total / 2**20:.0f} MiB of files "
+            f"to upload, over Ray's limit of {limit / 2**20:.0f} MiB; point --working-dir at "
+            "the directory with just your code, or list large paths in a .rayignore file there"
         )
     return WorkingDir(path=str(directory), excludes=excludes, large_files=large, total_bytes=total)
 
