@@ -254,26 +254,18 @@ def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Any 
 
 def check_tracking_access(tracking_uri: str) -> None:
     """For a tracking server: fail now, before any cluster starts, if it refuses this shell's
-    credentials. A server that does not answer is left to the run's own retries and outbox."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    requests (credentials, or a Host header outside its --allowed-hosts). A server that does not
+    answer is left to the run's own retries and outbox."""
+    from rayapp.tracking.access import ask_server, is_server_uri, refusal
+
+    if not is_server_uri(tracking_uri):
         return
     from rayapp.errors import RayappError
 
-    response = _server_get(tracking_uri, "/api/2.0/mlflow/experiments/search", {"max_results": 1})
-    if response is not None and response.status_code in (401, 403):
-        credentials = credentials_from_env()
-        who = (
-            f"user {credentials['MLFLOW_TRACKING_USERNAME']!r}"
-            if "MLFLOW_TRACKING_USERNAME" in credentials
-            else "a token"
-            if "MLFLOW_TRACKING_TOKEN" in credentials
-            else "no credentials"
-        )
-        raise RayappError(
-            f"MLflow at {tracking_uri} refused {who} (HTTP {response.status_code}); set "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
-            "that may write runs"
-        )
+    credentials = credentials_from_env()
+    problem = refusal(tracking_uri, ask_server(tracking_uri, credentials), credentials)
+    if problem:
+        raise RayappError(problem)
 
 
 def run_page_url(tracking_uri: str, run_id: str) -> str | None:
