@@ -1,4 +1,5 @@
-"""Scaling comparison of MLflow runs: speedup, efficiency, comm share, and the ideal beside the measured.
+"""Scaling comparison of MLflow runs: speedup, efficiency, comm share, and the ideal beside the
+measured.
 
 Runs are grouped by what makes them comparable (job, scaling, strategy, backend); within a
 group, the run with the smallest world size is the baseline. Steady-state figures are medians
@@ -51,17 +52,22 @@ class RunSummary:
     efficiency: float = 1.0
     """throughput_N / (N / N_min * throughput_min): 1.0 is perfect scaling."""
     ideal_epoch_s: float = math.nan
-    """What perfect scaling predicts: strong scaling t_min * N_min / N; weak scaling t_min (flat)."""
+    """What perfect scaling predicts: strong scaling t_min * N_min / N; weak scaling t_min
+    (flat)."""
     article_epoch_s: float = math.nan
-    """The article's expectation, t_min * N_min / N (time halves per doubling), whatever the scaling."""
+    """The article's expectation, t_min * N_min / N (time halves per doubling), whatever the
+    scaling."""
     compute_s: float = math.nan
-    """Median steady compute_time_s less comm_time_s where comm is measured: the step without its all-reduce."""
+    """Median steady compute_time_s less comm_time_s where comm is measured: the step without its
+    all-reduce."""
     comm_s: float = math.nan
-    """Median steady comm_time_s (DDP's all-reduce span); NaN where not measured, then inside compute_s."""
+    """Median steady comm_time_s (DDP's all-reduce span); NaN where not measured, then inside
+    compute_s."""
     data_s: float = math.nan
     """Median steady data_time_s: waiting for batches."""
     other_s: float = math.nan
-    """epoch_time_s less compute, comm and data, floored at 0: what no timer covers (sync, logging, ...)."""
+    """epoch_time_s less compute, comm and data, floored at 0: what no timer covers (sync, logging,
+    ...)."""
     startup_cluster_s: float = math.nan
     """Submission until the cluster was up (started or connected)."""
     startup_workers_s: float = math.nan
@@ -69,8 +75,8 @@ class RunSummary:
     time_to_first_step_s: float = math.nan
     """Submission until the first training step finished."""
     cpu_percent_by_node: dict[str, float] = field(default_factory=dict)
-    """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine figure,
-    100 = every core busy), by node IP in address order."""
+    """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine
+    figure, 100 = every core busy), by node IP in address order."""
     min_nodes: int | None = None
     """An elastic run's fewest nodes (``nodes`` is then its most); None for a fixed size."""
     min_world_size: int | None = None
@@ -90,7 +96,8 @@ class RunSummary:
     @property
     def group(self) -> tuple[str, str, str, str, str]:
         """Runs compared with each other. An elastic run's world size changed while it ran, so it is
-        compared only with runs of the same range, never taken for (or as the baseline of) fixed ones."""
+        compared only with runs of the same range, never taken for (or as the baseline of) fixed
+        ones."""
         return (
             self.job,
             self.scaling,
@@ -115,7 +122,8 @@ class RunSummary:
 def _steady_history(
     client: MlflowClient, run_id: str, key: str, steady_steps: set[int]
 ) -> dict[int, float]:
-    """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not measured')."""
+    """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not
+    measured')."""
     return {
         m.step: m.value
         for m in client.get_metric_history(run_id, key)
@@ -159,7 +167,8 @@ def _address_order(node: str) -> tuple[int, Any]:
 
 
 def cpu_by_node(client: MlflowClient, run: Run) -> dict[str, float]:
-    """Mean CPU utilisation of each node over the run, from the system metrics its sampler logged."""
+    """Mean CPU utilisation of each node over the run, from the system metrics its sampler
+    logged."""
     prefix, suffix = "system/", "/cpu_utilization_percentage"
     nodes = [
         key[len(prefix) : -len(suffix)]
@@ -188,7 +197,8 @@ def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
             f"run {run_id} ({run.info.run_name}) logged no epoch_time_s; did it finish an epoch?"
         )
     comm_times = epoch_values(client, run_id, "comm_time_s")
-    shares = [c / e for c, e in zip(comm_times, epoch_times) if e > 0]
+    # No comm_time_s at all where communication is not measured (a script's own loop): no shares.
+    shares = [c / e for c, e in zip(comm_times, epoch_times, strict=False) if e > 0]
     memory = epoch_values(client, run_id, "peak_mem_mb")
     epoch_time_s = steady_median(epoch_times)
     assert epoch_time_s is not None  # epoch_times is not empty
@@ -265,7 +275,8 @@ def load_summaries(
     run_ids: Iterable[str] = (),
     parent_run_id: str | None = None,
 ) -> list[RunSummary]:
-    """Runs named by id, or the finished rayapp runs of an experiment (children of parent_run_id if given)."""
+    """Runs named by id, or the finished rayapp runs of an experiment (children of parent_run_id if
+    given)."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -316,7 +327,8 @@ COLUMNS = [
     ("run_id", "run", "{:.12}"),
 ]
 CSV_ONLY = ["compute_s", "comm_s", "data_s", "other_s"]
-"""The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the plot."""
+"""The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the
+plot."""
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -385,4 +397,7 @@ CAPTION = (
     "first step s: submission to the first step done. "
     "cpu % per node: the node's machine over the run, mean (100 = all its cores busy)."
 )
-ELASTIC_CAPTION = " nodes MIN:MAX: an elastic run, compared with none of fixed size (its world size per epoch is in MLflow)."
+ELASTIC_CAPTION = (
+    " nodes MIN:MAX: an elastic run, "
+    "compared with none of fixed size (its world size per epoch is in MLflow)."
+)
