@@ -46,7 +46,8 @@ def _group_label(group: tuple[str, ...]) -> str:
 
 
 def draw_scaling(throughput_axis: Axes, efficiency_axis: Axes, summaries: list[RunSummary]) -> None:
-    """Throughput (measured, and the ideal from each group's smallest run) and efficiency by world size."""
+    """Throughput (measured, and the ideal from each group's smallest run) and efficiency by world
+    size."""
     for group, runs in _groups(summaries).items():
         label = _group_label(group)
         workers = [s.world_size for s in runs]
@@ -108,7 +109,9 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
             label=label,
             edgecolor="white",
         )
-        for position, summary, bottom, height in zip(positions, ordered, bottoms, heights):
+        for position, summary, bottom, height in zip(
+            positions, ordered, bottoms, heights, strict=True
+        ):
             # The share of the epoch, printed only where the segment is tall enough to hold it.
             if top > 0 and height / top >= 0.06 and summary.epoch_time_s > 0:
                 axis.text(
@@ -119,9 +122,9 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
                     va="center",
                     fontsize=7,
                 )
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     ideal_label = "ideal epoch time (perfect scaling)"
-    for position, summary, height in zip(positions, ordered, bottoms):
+    for position, summary, height in zip(positions, ordered, bottoms, strict=True):
         if math.isnan(summary.compute_s) and math.isnan(summary.data_s):
             note = "\nsteps not timed"  # a run from before the step timers, or a script's own loop
         else:
