@@ -69,7 +69,8 @@ def recent_runs_table(
             params.get("strategy", ""),
             f"{metrics['loss']:.5f}" if "loss" in metrics else "",
             f"{median:.3f}" if median is not None else "",
-            # Logged once, at the first step; runs from before it was logged, and sweeps' parents, lack it.
+            # Logged once, at the first step; runs from before it was logged, and sweeps' parents,
+            # lack it.
             f"{metrics['time_to_first_step_s']:.1f}" if "time_to_first_step_s" in metrics else "",
             f"{metrics['total_time_s']:.1f}" if "total_time_s" in metrics else "",
         )
