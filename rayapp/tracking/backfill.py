@@ -19,7 +19,8 @@ HISTORY_FILE = "history.json"
 def write_history(
     directory: str, *, run_id: str, epoch: int, history: list[dict[str, Any]]
 ) -> None:
-    """Into a checkpoint being made: the run it belongs to and every epoch's metrics up to `epoch`."""
+    """Into a checkpoint being made: the run it belongs to and every epoch's metrics up to
+    `epoch`."""
     with open(os.path.join(directory, HISTORY_FILE), "w", encoding="utf-8") as handle:
         json.dump({"run_id": run_id, "epoch": epoch, "history": history}, handle)
 
