@@ -77,7 +77,8 @@ class RunLogger(NullLogger):
     def close(self, timeout_s: float = 120.0, *, write_cost_step: int | None = None) -> Path | None:
         """Flush; returns the fallback file when the server could not take everything.
 
-        With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at that step."""
+        With write_cost_step, the last write logs what all the others cost (WRITE_COST_METRICS) at
+        that step."""
         from rayapp.tracking.outbox import Record, WriteStats
 
         if write_cost_step is None:
@@ -90,7 +91,11 @@ class RunLogger(NullLogger):
                 self.run_id,
                 step=step,
                 values=dict(
-                    zip(WRITE_COST_METRICS, (stats.wall_s, stats.cpu_s, float(stats.writes)))
+                    zip(
+                        WRITE_COST_METRICS,
+                        (stats.wall_s, stats.cpu_s, float(stats.writes)),
+                        strict=True,
+                    )
                 ),
             )
 
