@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 FALLBACK_SUFFIX = ".mlflow-fallback.jsonl"
 GRACE_ENV = "RAYAPP_MLFLOW_GRACE_S"
-"""How long a finished job waits for an unreachable tracking server before writing the fallback file."""
+"""How long a finished job waits for an unreachable tracking server before writing the fallback
+file."""
 DEFAULT_GRACE_S = 30.0
 # A dead server should fail a request in seconds, not after MLflow's default minutes of retries:
 # the outbox does its own retrying, and the training loop never waits on it.
@@ -52,7 +53,8 @@ class Record:
     step: int = 0
     timestamp_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     values: dict[str, Any] = field(default_factory=dict)
-    """metrics: {key: float}; tags: {key: str}; artifact: {path, artifact_path}; status: {status}."""
+    """metrics: {key: float}; tags: {key: str}; artifact: {path, artifact_path}; status:
+    {status}."""
 
 
 @dataclass
@@ -85,7 +87,8 @@ def leading_write(records: list[Record]) -> int:
 
 
 def deliver(client: MlflowClient, records: list[Record]) -> None:
-    """Send records in order, consecutive metrics records of one run in one batch; raises on the first failure."""
+    """Send records in order, consecutive metrics records of one run in one batch; raises on the
+    first failure."""
     while records:
         count = leading_write(records)
         _write(client, records[:count])
@@ -159,7 +162,8 @@ class Outbox:
     def close(
         self, timeout_s: float = 120.0, last: Callable[[WriteStats], Record] | None = None
     ) -> Path | None:
-        """Wait up to timeout_s for delivery; returns the fallback file if records remain undelivered.
+        """Wait up to timeout_s for delivery; returns the fallback file if records remain
+        undelivered.
 
         `last` makes one more record from the finished stats (all writes but its own) and sends it
         after everything else."""
@@ -198,7 +202,8 @@ class Outbox:
         return min(timeout_s, grace) if self._down_since is not None else timeout_s
 
     def _send_forever(self) -> None:
-        """Deliver the oldest records, drop them from the queue only once delivered; back off while down."""
+        """Deliver the oldest records, drop them from the queue only once delivered; back off while
+        down."""
         delay = self._retry_s[0]
         while True:
             with self._condition:
@@ -235,13 +240,14 @@ class Outbox:
             with self._condition:
                 # close() may have given up on the queue meanwhile and emptied it
                 if len(self._pending) >= len(batch) and all(
-                    a is b for a, b in zip(self._pending, batch)
+                    a is b for a, b in zip(self._pending, batch, strict=False)
                 ):
                     del self._pending[: len(batch)]
                 self._condition.notify_all()
             if self._down_since is not None:
                 self._notify(
-                    f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; buffered metrics delivered"
+                    f"MLflow is back after {time.monotonic() - self._down_since:.0f}s; "
+                    "buffered metrics delivered"
                 )
                 self._down_since = None
             delay = self._retry_s[0]
@@ -275,7 +281,8 @@ def append_fallback(path: Path, records: list[Record]) -> None:
 
 
 def import_fallback(path: Path, tracking_uri: str) -> int:
-    """Deliver a fallback file's records, skipping metric values already in the run; returns records sent.
+    """Deliver a fallback file's records, skipping metric values already in the run; returns records
+    sent.
 
     On success the file is renamed to *.imported so a second import does nothing.
     """
