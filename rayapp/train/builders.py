@@ -7,7 +7,8 @@ from typing import Any
 
 
 def import_object(target: str) -> Any:
-    """The object a ``module:attribute`` path names (attribute may be dotted: ``mod:Class.method``)."""
+    """The object a ``module:attribute`` path names (attribute may be dotted:
+    ``mod:Class.method``)."""
     module_name, _, attribute = target.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in attribute.split(".") if attribute else ():
