@@ -115,7 +115,8 @@ def synthetic_regression(spec: JobSpec) -> TensorDataset:
 
 
 def digits(spec: JobSpec) -> Datasets:
-    """scikit-learn's bundled digits as flat 64-pixel rows scaled to 0..1, split 80/20 by a fixed seed."""
+    """scikit-learn's bundled digits as flat 64-pixel rows scaled to 0..1, split 80/20 by a fixed
+    seed."""
     from sklearn.datasets import load_digits
 
     images, labels = load_digits(return_X_y=True)
