@@ -1,10 +1,11 @@
-"""Pipeline parallelism (``train.strategy: pp``): the model's layers cut into stages, one per worker.
+"""Pipeline parallelism (``train.strategy: pp``): the model's layers cut into stages, one per
+worker.
 
 :func:`apply_pp` (the strategy's entry in :mod:`rayapp.spec.catalog`) keeps this rank's stage of an
 nn.Sequential: its children, grouped so a parameterless layer (a ReLU) stays with the layer before
-it, are split into ``train.pipeline.stages`` contiguous parts with the largest part's parameter count
-as small as it can be. Layers keep their names ("2.weight" on stage 1), so each stage's state dict
-has keys of its own and a DCP checkpoint holds every stage side by side.
+it, are split into ``train.pipeline.stages`` contiguous parts with the largest part's parameter
+count as small as it can be. Layers keep their names ("2.weight" on stage 1), so each stage's state
+dict has keys of its own and a DCP checkpoint holds every stage side by side.
 
 :func:`pipeline_loop` is the built-in loop under pp (:func:`rayapp.train.loop.standard_loop` hands
 over to it). It trains through the same :class:`TrainContext` as every loop (resume, exactly-once
@@ -54,7 +55,8 @@ def layer_units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     parameters, followed by the parameterless layers after it (leading ones go with the first)."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(
-            f"strategy pp splits an nn.Sequential by its layers; the model is {type(model).__name__}: "
+            "strategy pp splits an nn.Sequential by its layers; "
+            f"the model is {type(model).__name__}: "
             "use model.kind mlp, or a model.factory returning an nn.Sequential"
         )
     units: list[list[tuple[str, nn.Module]]] = []
@@ -72,14 +74,16 @@ def _param_count(module: nn.Module) -> int:
 
 def balanced_split(sizes: list[int], parts: int) -> list[tuple[int, int]]:
     """`sizes` cut into `parts` contiguous, non-empty [start, end) ranges whose largest sum is as
-    small as it can be (ties: the earliest cut). Exact, by dynamic programming over the cut points."""
+    small as it can be (ties: the earliest cut). Exact, by dynamic programming over the cut
+    points."""
     n = len(sizes)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot cut {n} layer unit(s) into {parts} stage(s)")
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)
-    # best[k][i]: the smallest largest-part sum of sizes[:i] cut into k parts; cut[k][i]: its last cut
+    # best[k][i]: the smallest largest-part sum of sizes[:i] cut into k parts; cut[k][i]: its last
+    # cut
     best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0
@@ -101,8 +105,8 @@ def split_model(model: nn.Module, stages: int) -> list[nn.Sequential]:
     units = layer_units(model)
     if len(units) < stages:
         raise ValueError(
-            f"strategy pp: the model has {len(units)} layer(s) with parameters to split, fewer than "
-            f"train.pipeline.stages {stages}; use a deeper model or fewer stages"
+            f"strategy pp: the model has {len(units)} layer(s) with parameters to split, "
+            f"fewer than train.pipeline.stages {stages}; use a deeper model or fewer stages"
         )
     ranges = balanced_split([sum(_param_count(m) for _, m in unit) for unit in units], stages)
     return [
@@ -243,8 +247,9 @@ def pipeline_loop(ctx) -> None:
     classification = spec.data.is_classification or spec.loss == "cross_entropy"
     if pipe.microbatches < stages:
         ctx.tell(
-            f"train.pipeline.microbatches {pipe.microbatches} < stages {stages}: each stage idles at least "
-            f"{bubble_ideal(stages, pipe.microbatches):.0%} of every step; use {stages} or more"
+            f"train.pipeline.microbatches {pipe.microbatches} < stages {stages}: each "
+            f"stage idles at least {bubble_ideal(stages, pipe.microbatches):.0%} of "
+            f"every step; use {stages} or more"
         )
 
     restored = False
@@ -298,13 +303,15 @@ def restore_hyperparameters(optimizer: torch.optim.Optimizer, hyperparameters: l
     """Put back the spec's learning rate, betas, ... after a resume. The stages' optimizers hold
     different parameters, so their param_groups differ under the same DCP keys, and DCP keeps one
     rank's copy: the others come back without their hyperparameters (their state tensors, keyed by
-    parameter name, come back whole). The built-in loop never changes them, so the built ones are right."""
-    for group, saved in zip(optimizer.param_groups, hyperparameters):
+    parameter name, come back whole). The built-in loop never changes them, so the built ones are
+    right."""
+    for group, saved in zip(optimizer.param_groups, hyperparameters, strict=True):
         group.update(saved)
 
 
 def bubble_ideal(stages: int, microbatches: int) -> float:
-    """The idle share of every stage in a GPipe or 1F1B step with equal stages and free communication."""
+    """The idle share of every stage in a GPipe or 1F1B step with equal stages and free
+    communication."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -319,7 +326,8 @@ def gather_rows(values: list[float], *, device: torch.device, stages: int) -> li
 def stage_metrics(
     clock: StageClock, *, device: torch.device, stages: int, microbatches: int
 ) -> dict[str, float]:
-    """Every stage's compute time and peak memory (a collective), and the measured and ideal bubble."""
+    """Every stage's compute time and peak memory (a collective), and the measured and ideal
+    bubble."""
     schedule_s, compute_s = clock.figures()
     rows = gather_rows(
         [schedule_s, compute_s, collectives.peak_memory_mb(device)], device=device, stages=stages
@@ -382,7 +390,8 @@ def evaluate(
     classification: bool,
 ) -> dict[str, float]:
     """test_accuracy or test_loss over the whole test set, each batch passed stage to stage (a
-    plain forward, no micro-batches: a test set is small); every rank gets the last stage's figure."""
+    plain forward, no micro-batches: a test set is small); every rank gets the last stage's
+    figure."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, samples
