@@ -126,7 +126,8 @@ def _rendezvous(ctx: TrainContext) -> tuple[str, int]:
 
 
 def _tee_stderr(child: subprocess.Popen, tail: collections.deque) -> None:
-    """Pass the script's stderr on to the worker's (Ray shows it with -v) and keep its last lines."""
+    """Pass the script's stderr on to the worker's (Ray shows it with -v) and keep its last
+    lines."""
     for line in child.stderr:
         sys.stderr.write(line)
         tail.append(line)
