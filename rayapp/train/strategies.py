@@ -30,7 +30,8 @@ class Placement:
 
 
 def apply_strategy(spec: JobSpec, model: nn.Module, device: torch.device) -> Placement:
-    """The job's strategy applied to `model`; moves it to `device` first unless the strategy places it."""
+    """The job's strategy applied to `model`; moves it to `device` first unless the strategy places
+    it."""
     apply = import_object(STRATEGIES.get(spec.train.strategy).target)
     if spec.train.strategy == "pp":  # keeps one stage of the model: only that moves to the device
         return apply(model, device=device, spec=spec)
@@ -73,18 +74,21 @@ def apply_fsdp(
 
 
 def apply_dp(model: nn.Module, *, device: torch.device) -> Placement:
-    """nn.DataParallel: one process scatters each batch over every GPU of the node (the article's DP)."""
+    """nn.DataParallel: one process scatters each batch over every GPU of the node (the article's
+    DP)."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus < 2:
         raise RuntimeError(
-            f"strategy 'dp' needs at least 2 CUDA GPUs on the node; this worker sees {gpus}; use ddp"
+            "strategy 'dp' needs at least 2 CUDA GPUs on the node; "
+            f"this worker sees {gpus}; use ddp"
         )
     first = torch.device("cuda:0")
     return Placement(nn.DataParallel(model.to(first), device_ids=list(range(gpus))), first, first)
 
 
 class TwoDeviceModel(nn.Module):
-    """The model's layers split in two halves on two GPUs; activations cross between them (the article's MP)."""
+    """The model's layers split in two halves on two GPUs; activations cross between them (the
+    article's MP)."""
 
     def __init__(self, model: nn.Sequential, first: torch.device, second: torch.device) -> None:
         super().__init__()
