@@ -97,7 +97,8 @@ def _node_sampler_class() -> type:
 
             # CPU % is measured between two calls in this process, and a first call has nothing to
             # measure against (psutil answers 0.0): start the clock here, and sample at the end of
-            # each interval, so every sample (a short run's only one too) covers the time just passed.
+            # each interval, so every sample (a short run's only one too) covers the time just
+            # passed.
             psutil.cpu_percent()
             warned = False
             while not self._shutdown_event.is_set():
@@ -108,7 +109,8 @@ def _node_sampler_class() -> type:
                 except Exception as exc:
                     if not warned:
                         logging.getLogger(__name__).warning(
-                            "system metrics of node %s: a write failed (%s); retrying with the next",
+                            "system metrics of node %s: a write failed (%s); "
+                            "retrying with the next",
                             self.node_id,
                             exc,
                         )
@@ -119,7 +121,8 @@ def _node_sampler_class() -> type:
                     del self.mlflow_logger.data[:-MAX_UNSENT]
 
         def stop_sampling(self) -> None:
-            """End the loop (at most one sampling interval away) and leave the unsent batch to stop()."""
+            """End the loop (at most one sampling interval away) and leave the unsent batch to
+            stop()."""
             self._shutdown_event.set()
             if self._process is not None:
                 self._process.join()
