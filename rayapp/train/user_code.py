@@ -30,7 +30,8 @@ def check_user_code(spec: JobSpec, code_dir: Path | None) -> None:
         loop = resolve("train.loop", spec.train.loop, code_dir)
         if not callable(loop):
             raise SpecError(
-                f"train.loop: {spec.train.loop!r} is a {type(loop).__name__}; expected a function(ctx)"
+                f"train.loop: {spec.train.loop!r} is a {type(loop).__name__}; "
+                "expected a function(ctx)"
             )
     for field_name, target in (
         ("train.loss", spec.train.loss),
