@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import secrets
@@ -26,10 +27,13 @@ from rayapp.errors import RayappError
 from rayapp.launch import working_dir
 from rayapp.launch.jobs_api import (
     DEFAULT_DASHBOARD_ADDRESS,
+    cluster_ray_version,
     connect,
     normalize_address,
+    ray_version_problem,
     submit_with_retry,
 )
+from rayapp.launch.versions import SUBMITTED_WITH_ENV, this_environment
 from rayapp.spec import JobSpec
 from rayapp.spec.loader import spec_document
 from rayapp.tracking.run import resolve_tracking_uri
@@ -69,6 +73,10 @@ def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) ->
     address = normalize_address(spec.cluster.address or DEFAULT_DASHBOARD_ADDRESS)
     tracking_uri = cluster_tracking_uri(spec, address)
     client = connect(address)
+    here = this_environment()
+    problem = ray_version_problem(address, cluster_ray_version(address), here.get("ray", ""))
+    if problem:
+        raise RayappError(problem)
     submission_id = new_submission_id(spec.name)
     entrypoint = " ".join(
         shlex.quote(part)
@@ -83,7 +91,10 @@ def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) ->
         )
     )
     code_dir = working_dir.code_directory(spec, job_yaml)
-    with tempfile.TemporaryDirectory(prefix="rayapp-job-") as directory:
+    with (
+        tempfile.TemporaryDirectory(prefix="rayapp-job-") as directory,
+        tempfile.TemporaryDirectory(prefix="rayapp-package-") as package_parent,
+    ):
         if code_dir is not None:
             plan = working_dir.plan(code_dir)  # refuses a directory over Ray's upload limit
             shutil.copytree(
@@ -95,7 +106,14 @@ def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) ->
             client.submit_job,
             entrypoint=entrypoint,
             submission_id=submission_id,
-            runtime_env={"working_dir": directory, "env_vars": driver_env_vars(tracking_uri)},
+            runtime_env={
+                "working_dir": directory,
+                "py_modules": [rayapp_package_copy(Path(package_parent))],
+                "env_vars": {
+                    **driver_env_vars(tracking_uri),
+                    SUBMITTED_WITH_ENV: json.dumps(here),
+                },
+            },
             metadata={
                 "rayapp_job": spec.name,
                 "rayapp_nodes": str(spec.cluster.nodes),
@@ -106,6 +124,18 @@ def submit(spec: JobSpec, *, job_yaml: str | None, schedule_timeout_s: float) ->
     return Submission(
         submission_id, address, tracking_uri, client, str(code_dir) if code_dir else None
     )
+
+
+def rayapp_package_copy(parent: Path) -> str:
+    """This rayapp's package directory, copied under `parent` without caches: it travels with the
+    job as runtime_env ``py_modules``, so the job's driver and workers run the rayapp that submitted
+    it, whatever the cluster's Python has installed (or lacks)."""
+    import rayapp
+
+    source = Path(rayapp.__file__).resolve().parent
+    target = parent / "rayapp"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return str(target)
 
 
 def _relative_to(spec: JobSpec, code_dir: Path) -> JobSpec:
