@@ -1,1 +1,2 @@
-"""rayapp's benchmarks. Run the overhead comparison as `python -m benchmarks.overhead` from the repository root."""
+"""rayapp's benchmarks. Run the overhead comparison as `python -m benchmarks.overhead` from the
+repository root."""
