@@ -157,8 +157,10 @@ def report(results: dict, args: argparse.Namespace) -> None:
         else f"CPU ({os.cpu_count()} cores)"
     )
     table = Table(
-        title=f"One checkpoint of a {parameters / 1e6:.0f}M-parameter MLP with Adam, {WORLD_SIZE} ranks, "
-        f"{device}, {datetime.date.today()}, {platform.node()}"
+        title=(
+            f"One checkpoint of a {parameters / 1e6:.0f}M-parameter MLP with Adam, "
+            f"{WORLD_SIZE} ranks, {device}, {datetime.date.today()}, {platform.node()}"
+        )
     )
     for column in (
         "strategy",
@@ -183,7 +185,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
         )
     Console(width=160).print(table)
     print(
-        f"command: python benchmarks/checkpoint.py --width {args.width} --layers {args.layers} --repeats {args.repeats}"
+        f"command: python benchmarks/checkpoint.py --width {args.width} --layers {args.layers} "
+        f"--repeats {args.repeats}"
     )
 
 
