@@ -113,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     script_started = time.monotonic()
     become_subreaper()
     # Started in the background, a script inherits SIGINT ignored, and so would its children (rayapp
-    # could then not be asked to stop cleanly). A handler of our own is reset to the default on exec.
+    # could then not be asked to stop cleanly). A handler of our own is reset to the default on
+    # exec.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("mlflow", "alembic"):  # database set-up notes at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
 
     if args.epochs < 2 or args.workers < 1 or args.log_calls < 1 or args.pairs < 1:
         fail(
-            f"need --epochs >= 2 (the first is warm-up), --workers >= 1, --log-calls >= 1 and --pairs >= 1; "
-            f"got --epochs {args.epochs} --workers {args.workers} --log-calls {args.log_calls} --pairs {args.pairs}"
+            "need --epochs >= 2 (the first is warm-up), --workers >= 1, --log-calls >= 1 and "
+            f"--pairs >= 1; got --epochs {args.epochs} --workers {args.workers} "
+            f"--log-calls {args.log_calls} --pairs {args.pairs}"
         )
         return 2
     args.job = str(Path(args.job).resolve())
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if spec.train.strategy != "ddp":
         fail(
-            f"train.strategy {spec.train.strategy!r}: the torchrun baseline is plain DDP; use a ddp job"
+            f"train.strategy {spec.train.strategy!r}: "
+            "the torchrun baseline is plain DDP; use a ddp job"
         )
         return 2
 
@@ -246,7 +249,8 @@ def collect_figures(
         # one epoch's metrics in one unpaced write, timed apart from the runs: what pacing saves
         "log_one_epoch_write_s": statistics.median(log_cost["write"]),
         "log_one_epoch_write_cpu_s": statistics.median(log_cost["write_cpu"]),
-        # per pair, like the epoch figures: the last pair's walls against all pairs' epochs would mix two machines' speeds
+        # per pair, like the epoch figures: the last pair's walls against all pairs' epochs would
+        # mix two machines' speeds
         "torchrun_wall_s": statistics.median(pair["torchrun_wall_s"] for pair in pairs),
         "rayapp_wall_s": statistics.median(pair["rayapp_wall_s"] for pair in pairs),
         "wall_ratio": statistics.median(
