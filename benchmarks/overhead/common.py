@@ -1,4 +1,5 @@
-"""What every module of the benchmark shares: where things are, the targets, the console, and how a step fails."""
+"""What every module of the benchmark shares: where things are, the targets, the console, and how a
+step fails."""
 
 from __future__ import annotations
 
