@@ -116,12 +116,13 @@ def wait_until_idle(wait_s: float, threshold: float = 0.25) -> None:
     while (share := other_cpu_share()) > threshold:
         if time.monotonic() >= deadline:
             console.print(
-                f"[yellow]warning:[/yellow] other processes keep {share:.0%} of a core busy; they compete "
-                "for the same cores and the figures will not be reliable"
+                f"[yellow]warning:[/yellow] other processes keep {share:.0%} of a core busy; "
+                "they compete for the same cores and the figures will not be reliable"
             )
             return
         if not announced:
             console.print(
-                f"other processes keep {share:.0%} of a core busy; waiting up to {wait_s:.0f}s for them to calm down"
+                f"other processes keep {share:.0%} of a core busy; "
+                f"waiting up to {wait_s:.0f}s for them to calm down"
             )
             announced = True
