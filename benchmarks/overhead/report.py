@@ -1,4 +1,5 @@
-"""The comparison as a person reads it: the verdict table, the per-pair table, and the notes below them."""
+"""The comparison as a person reads it: the verdict table, the per-pair table, and the notes below
+them."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ def report(figures: dict, commands: list[str]) -> None:
     f = figures
     nodes = f"{f['rayapp_nodes']} Ray node" + ("s" if f["rayapp_nodes"] > 1 else "")
     table = Table(
-        title=f"rayapp vs torchrun: {f['job']}, {f['world_size']} workers on {nodes} (gloo, CPU), "
-        f"{f['epochs']} epochs x {f['steps_per_epoch']} steps, steady state = median of epochs 2..{f['epochs']}"
+        title=(
+            f"rayapp vs torchrun: {f['job']}, {f['world_size']} workers on "
+            f"{nodes} (gloo, CPU), {f['epochs']} epochs x {f['steps_per_epoch']} "
+            f"steps, steady state = median of epochs 2..{f['epochs']}"
+        )
     )
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -44,7 +48,8 @@ def report(figures: dict, commands: list[str]) -> None:
     interval = f["ratio_interval"]
     if interval is not None:
         table.add_row(
-            f"  {interval['coverage']:.1%} interval for that median (order statistics, any distribution)",
+            f"  {interval['coverage']:.1%} interval for that median (order statistics, "
+            "any distribution)",
             f"{interval['low']:.3f} .. {interval['high']:.3f}",
             f"<= {TARGET_RATIO:.2f}",
             "",
@@ -123,18 +128,21 @@ def report(figures: dict, commands: list[str]) -> None:
     console.print(f"             rayapp epoch_time_s: {fmt(f['rayapp_epochs'])}")
     console.print(f"             rayapp wall (epoch 2 on): {fmt(f['rayapp_walls'])}")
     console.print(
-        f"MLflow: rank 0's background sender wrote {f['log_writes_per_epoch']:.2f} times per epoch, paced so that "
-        "each write carries every epoch queued since the last; the log share is the writes' wall time over "
-        "the training loop's (total_time_s), read from the run's own mlflow_write_s, median over pairs. "
-        f"One epoch's metrics in a write of their own, timed apart {len(f['log_one_epoch_writes'])} times: "
-        f"median {f['log_one_epoch_write_s'] * 1e3:.1f} ms (CPU {f['log_one_epoch_write_cpu_s'] * 1e3:.1f} ms), "
-        f"{f['log_one_epoch_write_s'] / f['rayapp_epoch_s']:.2%} of an epoch, what an unpaced sender would cost; "
-        f"log_epoch call median {f['log_call_s'] * 1e3:.2f} ms."
+        f"MLflow: rank 0's background sender wrote {f['log_writes_per_epoch']:.2f} times "
+        "per epoch, paced so that each write carries every epoch queued since the last; "
+        "the log share is the writes' wall time over the training loop's (total_time_s), "
+        "read from the run's own mlflow_write_s, median over pairs. One epoch's metrics "
+        f"in a write of their own, timed apart {len(f['log_one_epoch_writes'])} times: "
+        f"median {f['log_one_epoch_write_s'] * 1e3:.1f} ms (CPU "
+        f"{f['log_one_epoch_write_cpu_s'] * 1e3:.1f} ms), "
+        f"{f['log_one_epoch_write_s'] / f['rayapp_epoch_s']:.2%} of an epoch, what an "
+        f"unpaced sender would cost; log_epoch call median {f['log_call_s'] * 1e3:.2f} ms."
     )
     console.print(
-        "rayapp's epoch_time_s stops the clock at the end of the step loop; its per-epoch checkpoint "
-        "(full state dict, torch.save, ray.train.report) and MLflow write are excluded from it and show only "
-        f"in the wall figure: {f['rayapp_wall_over_epoch_s']:.3f} s/epoch between the two (median over pairs)."
+        "rayapp's epoch_time_s stops the clock at the end of the step loop; its per-epoch "
+        "checkpoint (full state dict, torch.save, ray.train.report) and MLflow write are "
+        "excluded from it and show only in the wall figure: "
+        f"{f['rayapp_wall_over_epoch_s']:.3f} s/epoch between the two (median over pairs)."
     )
     threads = ", ".join(
         f"rank {i}: torch {t['torch_threads']} thread(s), OMP_NUM_THREADS={t['OMP_NUM_THREADS']}"
