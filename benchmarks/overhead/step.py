@@ -17,12 +17,13 @@ from rayapp.launch.cluster import start_time
 
 
 class Step:
-    """One child command in a session of its own, its output streamed to the terminal and a log file.
+    """One child command in a session of its own, its output streamed to the terminal and a log
+    file.
 
-    Every process ever seen below this script while the step runs is remembered (with the CPU time it
-    had used when last seen), so that none outlives the step, even those that leave the child's session
-    (the embedded Ray nodes start sessions of their own) or lose their parent, and so that the step's
-    CPU can be split by kind of process.
+    Every process ever seen below this script while the step runs is remembered (with the CPU time
+    it had used when last seen), so that none outlives the step, even those that leave the child's
+    session (the embedded Ray nodes start sessions of their own) or lose their parent, and so that
+    the step's CPU can be split by kind of process.
     """
 
     POLL_S = 1.0
@@ -53,19 +54,23 @@ class Step:
         self._before: dict[int, Proc] = {}
         self._others: dict[tuple[int, str], list[float]] = {}
         self.others_timeline: list[tuple[float, float]] = []
-        """(wall clock, CPU seconds other processes had used since the step started), one point per poll."""
+        """(wall clock, CPU seconds other processes had used since the step started), one point per
+        poll."""
         self.own_timeline: list[tuple[float, dict[str, float]]] = []
-        """(wall clock, CPU seconds the step's own processes had used, by kind of process), one point per poll."""
+        """(wall clock, CPU seconds the step's own processes had used, by kind of process), one
+        point per poll."""
         self._echo = True
 
     def _observe(self) -> dict[int, Proc]:
         reap_orphans(keep=self.process.pid)
         table = processes()
-        # Below this script rather than below the child: steps run one at a time, and orphans come here.
+        # Below this script rather than below the child: steps run one at a time, and orphans come
+        # here.
         for proc in descendants(os.getpid(), table):
             key = (proc.pid, proc.start)
             self.seen[key] = proc
-            # Ray workers rename themselves (ray::RayTrainWorker) once they become an actor: keep the latest.
+            # Ray workers rename themselves (ray::RayTrainWorker) once they become an actor: keep
+            # the latest.
             self.commands[key] = command_line(proc.pid) or self.commands.get(key, "")
         own = {pid for pid, _ in self.seen} | {os.getpid()}
         for pid, proc in table.items():
@@ -85,12 +90,14 @@ class Step:
         return table
 
     def others_share(self, start: float, end: float) -> float | None:
-        """Cores' worth of CPU other processes used between two wall-clock times (poll resolution)."""
+        """Cores' worth of CPU other processes used between two wall-clock times (poll
+        resolution)."""
         span = _span(self.others_timeline, start, end)
         return None if span is None else (span[1][1] - span[0][1]) / (span[1][0] - span[0][0])
 
     def own_share(self, start: float, end: float) -> dict[str, float]:
-        """Cores' worth of CPU the step's own processes used between two wall-clock times, by kind."""
+        """Cores' worth of CPU the step's own processes used between two wall-clock times, by
+        kind."""
         span = _span(self.own_timeline, start, end)
         if span is None:
             return {}
@@ -118,7 +125,8 @@ class Step:
                     self._observe()
                     if time.monotonic() > deadline:
                         raise StepFailed(
-                            f"{self.name} did not finish within {self.timeout_s:.0f}s (log: {self.log_path})"
+                            f"{self.name} did not finish within {self.timeout_s:.0f}s (log: "
+                            f"{self.log_path})"
                         )
                     time.sleep(self.POLL_S)
             except BaseException:
@@ -137,7 +145,8 @@ class Step:
         return "".join(self.output)
 
     def cpu_by_kind(self) -> dict[str, dict]:
-        """CPU seconds (as last seen) and niceness of the step's processes, grouped by kind of process."""
+        """CPU seconds (as last seen) and niceness of the step's processes, grouped by kind of
+        process."""
         groups: dict[str, dict] = {}
         for key, proc in self.seen.items():
             group = groups.setdefault(
@@ -161,7 +170,8 @@ class Step:
                 console.out(f"  {self.name} | {line.rstrip()}", style="dim", highlight=False)
 
     def stop(self) -> None:
-        """Ctrl-C first (rayapp then stops its cluster and marks the run KILLED), then SIGKILL what is left."""
+        """Ctrl-C first (rayapp then stops its cluster and marks the run KILLED), then SIGKILL what
+        is left."""
         if self.process is None:
             return
         self._echo = False  # its shutdown noise goes to the log file only
@@ -186,8 +196,9 @@ class Step:
         self._finish(announce=False)
 
     def _finish(self, *, announce: bool) -> None:
-        """After the child has gone: give what it left a few seconds to exit (Ray workers notice their
-        raylet is gone), then SIGKILL the rest, including processes started in the meantime."""
+        """After the child has gone: give what it left a few seconds to exit (Ray workers notice
+        their raylet is gone), then SIGKILL the rest, including processes started in the
+        meantime."""
         for attempt in range(30):
             self._observe()
             alive = self._alive() + ([self.process.pid] if self.process.poll() is None else [])
@@ -196,8 +207,8 @@ class Step:
             if attempt == 10:
                 if announce:
                     console.print(
-                        f"[yellow]warning:[/yellow] {self.name} left {len(alive)} process(es) running; "
-                        "stopping them:"
+                        f"[yellow]warning:[/yellow] {self.name} left {len(alive)} process(es) "
+                        "running; stopping them:"
                     )
                     for pid in alive:
                         console.print(f"  {pid} {command_line(pid)[:100]}", markup=False)
