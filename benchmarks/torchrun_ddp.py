@@ -40,7 +40,10 @@ def main() -> None:
         "--comm-clock",
         choices=("none", "rayapp"),
         default="none",
-        help="also read rayapp's per-step comm clock (rayapp.train.timing.DdpCommClock), to measure what it costs",
+        help=(
+            "also read rayapp's per-step comm clock (rayapp.train.timing.DdpCommClock), "
+            "to measure what it costs"
+        ),
     )
     args = parser.parse_args()
 
@@ -53,7 +56,8 @@ def main() -> None:
     )
 
     # As rayapp.train.loop.standard_loop builds them (through TrainContext.loader on a CPU worker):
-    # the rank's shard (DistributedSampler, seed train.seed, drop_last) in the per-worker batch size.
+    # the rank's shard (DistributedSampler, seed train.seed, drop_last) in the per-worker batch
+    # size.
     datasets = build_datasets(spec)
     loader = build_loader(
         spec, datasets.train, rank=rank, world_size=world_size, shuffle=True, pin_memory=False
@@ -93,8 +97,8 @@ def main() -> None:
             loss_sum += loss.detach()
         elapsed = time.perf_counter() - started
 
-        # Reduced as rayapp's loop reduces them (the slowest rank's time; the loss averaged over ranks
-        # in float64), so that the losses of the two sides compare bit for bit.
+        # Reduced as rayapp's loop reduces them (the slowest rank's time; the loss averaged over
+        # ranks in float64), so that the losses of the two sides compare bit for bit.
         epoch_times.append(max_over_ranks([elapsed], cpu)[0])
         losses.append(mean_over_ranks(loss_sum / spec.steps_per_epoch, cpu))
         epoch_ends.append(time.perf_counter())
