@@ -63,7 +63,8 @@ def main() -> None:
         epoch_loss = loss_sum.item() / (args.steps * dist.get_world_size())
         if rank == 0:
             print(
-                f"epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.5f}  {time.perf_counter() - started:.2f}s",
+                f"epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.5f}  "
+                f"{time.perf_counter() - started:.2f}s",
                 flush=True,
             )
             if log:
