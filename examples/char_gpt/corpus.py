@@ -15,7 +15,8 @@ from torch.utils.data import Dataset
 
 
 class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte string: item i is (bytes[i*B : i*B+B], bytes[i*B+1 : i*B+B+1])."""
+    """Non-overlapping windows of a byte string: item i is
+    (bytes[i*B : i*B+B], bytes[i*B+1 : i*B+B+1])."""
 
     def __init__(self, data: bytes, block_size: int) -> None:
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
