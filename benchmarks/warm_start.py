@@ -7,7 +7,7 @@ wall time of the whole command and each start-up phase the run logged in MLflow
 medians. Alternating spreads whatever else the machine does over both sides. A warm submit starts
 in the cluster's preloaded driver (rayapp.cli.preloaded) unless it declines; each line says which.
 
-    python benchmarks/warm_start.py                          # seed_linear, 2 nodes, 3 epochs, 3 rounds
+    python benchmarks/warm_start.py  # seed_linear, 2 nodes, 3 epochs, 3 rounds
     python benchmarks/warm_start.py --rounds 5 --job jobs/mlp_synthetic.yaml
 """
 
@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def rayapp(*args: str, cwd: str, env: dict) -> tuple[float, str]:
-    """Run the CLI; its wall time in seconds and its output. Fails loudly: a failed submit is no measurement."""
+    """Run the CLI; its wall time in seconds and its output. Fails loudly: a failed submit is no
+    measurement."""
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "rayapp", *args], cwd=cwd, env=env, capture_output=True, text=True
@@ -62,7 +63,10 @@ def main() -> None:
     parser.add_argument(
         "--no-preloaded-driver",
         action="store_true",
-        help="warm cluster without its preloaded driver: every submit imports torch, Ray Train, MLflow",
+        help=(
+            "warm cluster without its preloaded driver: "
+            "every submit imports torch, Ray Train, MLflow"
+        ),
     )
     args = parser.parse_args()
     up = (
@@ -74,7 +78,8 @@ def main() -> None:
     )
 
     workdir = tempfile.mkdtemp(prefix="rayapp-warm-bench-")
-    # A state directory of this benchmark's own: a warm cluster the user keeps is neither used nor stopped.
+    # A state directory of this benchmark's own: a warm cluster the user keeps is neither used nor
+    # stopped.
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["RAYAPP_STATE_DIR"] = os.path.join(workdir, "state")
     submit = ("submit", "--nodes", str(args.nodes), "--epochs", str(args.epochs), args.job)
@@ -105,8 +110,11 @@ def report(figures: dict, args: argparse.Namespace, up_s: float) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"{Path(args.job).name}, {args.nodes} nodes, {args.epochs} epochs: median of {args.rounds} "
-        f"submits each, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores)"
+        title=(
+            f"{Path(args.job).name}, {args.nodes} nodes, {args.epochs} epochs: "
+            f"median of {args.rounds} submits each, {datetime.date.today()}, "
+            f"{platform.node()} ({os.cpu_count()} cores)"
+        )
     )
     for column in ("figure", "cold", "warm", "warm / cold"):
         table.add_column(column, justify="left" if column == "figure" else "right")
