@@ -1,4 +1,4 @@
-"""Who takes the CPU from the training threads: preemptions counted from a `perf sched` trace.
+r"""Who takes the CPU from the training threads: preemptions counted from a `perf sched` trace.
 
 `sched_probe.py` says how often a training thread is preempted; this says by what. Record the
 scheduler's switch events during steady-state epochs, then hand the trace to this script with
@@ -6,7 +6,8 @@ the name the training threads carry (`ray::RayTrainWo` in rayapp's workers, `pyt
 torchrun baseline's ranks):
 
     perf sched record -o sched.data -- sleep 4
-    perf script -i sched.data -F comm,tid,cpu,time,event,trace | python benchmarks/preemptions.py ray::RayTrainWo
+    perf script -i sched.data -F comm,tid,cpu,time,event,trace \
+        | python benchmarks/preemptions.py ray::RayTrainWo
 
 The training threads are the THREADS threads (default 2, one per rank) with that name that ran
 longest in the trace. A preemption is a switch away from one of them while it was still
@@ -27,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 _SWITCH = re.compile(
-    r"\s([\d.]+):\s+sched:sched_switch: prev_comm=(.*?) prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+)"
-    r" ==> next_comm=(.*?) next_pid=(\d+)"
+    r"\s([\d.]+):\s+sched:sched_switch: prev_comm=(.*?) prev_pid=(\d+)"
+    r" prev_prio=-?\d+ prev_state=(\S+) ==> next_comm=(.*?) next_pid=(\d+)"
 )
 
 
@@ -65,14 +66,16 @@ def parse(lines: Iterable[str]) -> list[Switch]:
 
 
 def thread_kind(name: str) -> str:
-    """Threads of one kind differ only by a number (client.poll0, client.poll1): count them together."""
+    """Threads of one kind differ only by a number (client.poll0, client.poll1): count them
+    together."""
     return re.sub(r"\d+", "", name)
 
 
 def count(switches: list[Switch], name: str, threads: int) -> Preemptions:
     if len(switches) < 2:
         raise ValueError(
-            "the trace holds fewer than two sched_switch events; was it recorded with `perf sched record`?"
+            "the trace holds fewer than two sched_switch events; "
+            "was it recorded with `perf sched record`?"
         )
     ran: collections.Counter = collections.Counter()
     running_since: dict[int, float] = {}
@@ -120,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = ", ".join(f"{tid} ({seconds:.2f} s on CPU)" for tid, _, seconds in result.threads)
     console = Console(highlight=False)
     console.print(
-        f"{result.per_thread_per_s:.0f} preemptions/s per training thread over {result.window_s:.1f} s; "
-        f"training threads {shown}"
+        f"{result.per_thread_per_s:.0f} preemptions/s per training thread over "
+        f"{result.window_s:.1f} s; training threads {shown}"
     )
     table = Table()
     table.add_column("ran next", justify="left")
