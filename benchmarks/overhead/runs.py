@@ -1,7 +1,9 @@
-"""The two runs of a pair, torchrun's and rayapp's, what each measured, and what MLflow costs rank 0."""
+"""The two runs of a pair, torchrun's and rayapp's, what each measured, and what MLflow costs
+rank 0."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -30,8 +32,8 @@ from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS, WRITE_COST_METRICS,
 
 
 def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dict:
-    """One torchrun run and one rayapp run; odd pairs start with rayapp, so slow drift of the machine
-    does not always favour the same side."""
+    """One torchrun run and one rayapp run; odd pairs start with rayapp, so slow drift of the
+    machine does not always favour the same side."""
     label = f"pair {index + 1}/{args.pairs}: " if args.pairs > 1 else ""
     order = ("torchrun", "rayapp") if index % 2 == 0 else ("rayapp", "torchrun")
     results: dict = {}
@@ -77,7 +79,9 @@ def run_pair(args, pair_dir: Path, commands: list[str], spec, index: int) -> dic
         "ratio": rayapp_epoch / torchrun_epoch,
         "torchrun_wall_s": statistics.median(intervals(baseline["epoch_end_s"])),
         "rayapp_wall_s": statistics.median(intervals(rayapp["logged_at_s"])),
-        "max_loss_diff": max(abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"])),
+        "max_loss_diff": max(
+            abs(a - b) for a, b in zip(baseline["loss"], rayapp["loss"], strict=True)
+        ),
         **write_cost(rayapp, args.epochs),
         "cpu_during_torchrun": cpu_note(
             results["torchrun_step"],
@@ -98,7 +102,8 @@ def write_cost(rayapp: dict, epochs: int) -> dict:
     logged = rayapp["metrics_of_last_epoch"]
     if write_s not in logged:
         raise StepFailed(
-            f"rayapp's run {rayapp['run_id']} has no {write_s} metric; this rayapp does not measure its writes"
+            f"rayapp's run {rayapp['run_id']} has no {write_s} metric; "
+            "this rayapp does not measure its writes"
         )
     loop_s = rayapp["total_time_s"]
     return {
@@ -110,7 +115,7 @@ def write_cost(rayapp: dict, epochs: int) -> dict:
 
 
 def intervals(points: list[float]) -> list[float]:
-    return [b - a for a, b in zip(points, points[1:])]
+    return [b - a for a, b in itertools.pairwise(points)]
 
 
 def shown(command: list[str], env: dict) -> str:
@@ -124,9 +129,9 @@ def shown(command: list[str], env: dict) -> str:
 
 
 def child_env() -> dict:
-    """Both launchers pick the torch thread count themselves: Ray sets OMP_NUM_THREADS to a worker's CPUs
-    (1 here), torchrun sets it to 1 when it starts more than one process. An inherited value would
-    override both, so it is not passed on."""
+    """Both launchers pick the torch thread count themselves: Ray sets OMP_NUM_THREADS to a worker's
+    CPUs (1 here), torchrun sets it to 1 when it starts more than one process. An inherited value
+    would override both, so it is not passed on."""
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -147,13 +152,13 @@ def classify_rayapp(command: str) -> str:
 
 def cpu_note(step: Step, window: tuple[float, float]) -> dict:
     """Where a step's CPU went, and how much other processes took meanwhile, over the whole step and
-    over its steady-state epochs (window, wall clock): on a 2-core machine anything else running skews
-    the figures."""
+    over its steady-state epochs (window, wall clock): on a 2-core machine anything else running
+    skews the figures."""
     share = step.others_share(*window)
     if share is not None and share > 0.1:
         console.print(
-            f"[yellow]warning:[/yellow] other processes kept {share:.0%} of a core busy during {step.name}'s "
-            "steady-state epochs; its figures are skewed"
+            f"[yellow]warning:[/yellow] other processes kept {share:.0%} of a core busy during "
+            f"{step.name}'s steady-state epochs; its figures are skewed"
         )
     return {
         "wall_s": step.wall_s,
@@ -189,7 +194,8 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
     ]
     env = child_env()
     if args.workers == 1 or cpus_per_worker != 1:
-        # torchrun sets 1 only when it starts several processes; Ray sets the worker's CPUs: match Ray.
+        # torchrun sets 1 only when it starts several processes; Ray sets the worker's CPUs: match
+        # Ray.
         env["OMP_NUM_THREADS"] = str(cpus_per_worker)
     commands.append(shown(command, env))
     step = Step(
@@ -203,15 +209,17 @@ def run_torchrun(args, tmp: Path, commands: list[str], cpus_per_worker: int) -> 
     try:
         step.run()
     except StepFailed:
-        # The results file is written whole (rename) after the last epoch, so its presence means every
-        # epoch ran. A non-zero exit after it is the process's teardown: with torch 2.13, Gloo can abort
-        # at interpreter exit ("terminate called without an active exception"); the baseline's barrier
-        # before destroy_process_group keeps that from happening, this keeps a stray one from costing a run.
+        # The results file is written whole (rename) after the last epoch, so its presence means
+        # every epoch ran. A non-zero exit after it is the process's teardown: with torch 2.13, Gloo
+        # can abort at interpreter exit ("terminate called without an active exception"); the
+        # baseline's barrier before destroy_process_group keeps that from happening, this keeps a
+        # stray one from costing a run.
         if not out.exists() or step.process is None or step.process.returncode in (None, 0):
             raise
         console.print(
-            f"[yellow]warning:[/yellow] torchrun exited with code {step.process.returncode} after "
-            f"writing its results (a teardown abort at exit; log: {step.log_path}); the results are complete"
+            "[yellow]warning:[/yellow] torchrun exited with code "
+            f"{step.process.returncode} after writing its results (a teardown "
+            f"abort at exit; log: {step.log_path}); the results are complete"
         )
     if not out.exists():
         raise StepFailed(f"torchrun finished but wrote no results to {out}")
@@ -288,7 +296,8 @@ def read_rayapp_run(tracking_uri: str, run_id: str, epochs: int) -> dict:
         metrics = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
         if [m.step for m in metrics] != list(range(epochs)):
             raise StepFailed(
-                f"rayapp's run {run_id} has {key} for steps {[m.step for m in metrics]}, expected 0..{epochs - 1}"
+                f"rayapp's run {run_id} has {key} for steps {[m.step for m in metrics]}, "
+                f"expected 0..{epochs - 1}"
             )
         history[key] = metrics
     return {
@@ -309,8 +318,9 @@ def time_log_epoch(
     """What rank 0 spends per epoch on MLflow, against a fresh run in the same SQLite store.
 
     `call`: the `RunLogger.log_epoch` call in the training loop. `write`: the MLflow write itself.
-    RunLogger hands records to a background sender (rayapp.tracking.outbox): the call only enqueues and
-    the write runs on the sender thread, in the same one-CPU worker process as training: both count.
+    RunLogger hands records to a background sender (rayapp.tracking.outbox): the call only enqueues
+    and the write runs on the sender thread, in the same one-CPU worker process as training: both
+    count.
     """
     from mlflow.tracking import MlflowClient
 
