@@ -82,7 +82,7 @@ def train_loop(ctx) -> None:
     tokens_per_batch = train_loader.batch_size * config.block_size * ctx.world_size
 
     # -- the epoch loop: epochs done before a restart are skipped, the schedule resumes with them
-    for epoch in ctx.epochs(model, optimizer, schedule=schedule):
+    for _epoch in ctx.epochs(model, optimizer, schedule=schedule):
         loss_sum, steps, started = torch.zeros((), device=ctx.device), 0, time.perf_counter()
         for inputs, targets in ctx.batches(train_loader):
             with ctx.compute():
