@@ -4,8 +4,10 @@ Alternates a cold submit (rayapp starts and stops its own embedded cluster) with
 cluster `rayapp cluster up` left running), `--rounds` times each, on the same job, and prints the
 wall time of the whole command and each start-up phase the run logged in MLflow
 (`startup_cluster_s`, `startup_workers_s`, `time_to_first_step_s`), with the warm/cold ratio of the
-medians. Alternating spreads whatever else the machine does over both sides. A warm submit starts
-in the cluster's preloaded driver (rayapp.cli.preloaded) unless it declines; each line says which.
+medians, and the warm/cold ratio of each pair (one cold submit and the warm one after it) with
+their median and range. Alternating spreads whatever else the machine does over both sides. Every
+submit is a new `python -m rayapp` process. A warm submit starts in the cluster's preloaded driver
+(rayapp.cli.preloaded) unless it declines; each line says which.
 
     python benchmarks/warm_start.py  # seed_linear, 2 nodes, 3 epochs, 3 rounds
     python benchmarks/warm_start.py --rounds 5 --job jobs/mlp_synthetic.yaml
@@ -123,6 +125,15 @@ def report(figures: dict, args: argparse.Namespace, up_s: float) -> None:
         warm = statistics.median(f[key] for f in figures["warm"])
         table.add_row(key, f"{cold:.2f} s", f"{warm:.2f} s", f"{warm / cold:.2f}" if cold else "-")
     Console(width=160).print(table)
+    ratios = [
+        warm["wall_s"] / cold["wall_s"]
+        for cold, warm in zip(figures["cold"], figures["warm"], strict=True)
+    ]
+    print(
+        f"warm / cold wall time per pair: median {statistics.median(ratios):.2f}, "
+        f"range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs "
+        f"({', '.join(f'{ratio:.2f}' for ratio in ratios)})"
+    )
     flag = " --no-preloaded-driver" if args.no_preloaded_driver else ""
     print(f"`rayapp cluster up --nodes {args.nodes}{flag}` itself: {up_s:.1f} s, paid once")
 

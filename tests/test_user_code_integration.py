@@ -26,7 +26,9 @@ from conftest import (
     wait_for_line,
 )
 
-from rayapp.tracking.run import TAG_ATTEMPTS, TAG_RANK_EXIT_CODES
+from rayapp.tracking.backfill import read_history
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_RANK_EXIT_CODES
+from rayapp.train.checkpoint import STOPPED_MARKER
 
 pytestmark = pytest.mark.integration
 EXAMPLES = REPO / "examples"
@@ -173,3 +175,64 @@ def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path):
     assert "Traceback" not in result.stderr
     run = only_run(mlflow_client(workdir))
     assert run.info.status == "FAILED"
+
+
+EARLY_STOPPING_LOOP = """
+import torch
+from torch import nn
+
+
+def train_loop(ctx):
+    torch.manual_seed(0)
+    model = ctx.prepare(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+    loader = ctx.loader(data, batch_size=32)
+    for epoch in ctx.epochs(model, optimizer):
+        for inputs, targets in ctx.batches(loader):
+            with ctx.compute():
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                ctx.backward(loss)
+                ctx.step(optimizer)
+        ctx.log_epoch({"loss": ctx.mean(loss.detach())})
+        if epoch == ctx.args["stop_at"]:  # the same decision on every rank
+            break
+    if ctx.trained_model is None:
+        raise RuntimeError("ctx.trained_model is None after the break")
+"""
+
+
+def test_a_loop_that_breaks_early_logs_and_checkpoints_its_last_epoch(tmp_path):
+    code, workdir = tmp_path / "code", tmp_path / "run"
+    code.mkdir()
+    workdir.mkdir()
+    (code / "early.py").write_text(EARLY_STOPPING_LOOP)
+    # Checkpoints every 2nd epoch: epoch 2 has one only because the loop stopped there.
+    (code / "job.yaml").write_text(
+        textwrap.dedent("""
+        name: early_stop
+        train: {loop: "early:train_loop", args: {stop_at: 2}, epochs: 5}
+        checkpoint: {every_epochs: 2}
+        cluster: {nodes: 2}
+        """)
+    )
+    result = run_rayapp("submit", str(code / "job.yaml"), cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "stopped early after epoch 3/5" in result.stdout
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_EARLY_STOPPED] == "true"
+    for key in ("loss", "epoch_time_s", "samples_per_s"):
+        assert steps(client, run_id, key) == [0, 1, 2], key  # each epoch once, none after the break
+    assert steps(client, run_id, "checkpoint_time_s") == [1, 2]
+    assert steps(client, run_id, "total_time_s") == [2]
+    # ctx.trained_model was set: rayapp saved the trained model from it
+    assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/model_state_dict.pt"]
+    (trial,) = (workdir / "rayapp_results").glob(f"early_stop-{run_id[:8]}")
+    checkpoints = sorted(path.name for path in trial.glob("checkpoint_epoch_*"))
+    assert checkpoints == ["checkpoint_epoch_000001", "checkpoint_epoch_000002"]
+    last = trial / "checkpoint_epoch_000002"
+    assert read_history(str(last))["epoch"] == 2
+    assert (last / STOPPED_MARKER).exists()

@@ -179,6 +179,28 @@ def test_a_command_in_the_preloaded_driver_is_the_command(state_dir, tmp_path):
     served = (Path(record.log_dir) / "preloaded-driver.log").read_text()
     assert served.count("submit --nodes 2") == 2, served
 
+    # Two submits at once, one node each: the server forks a child for each, and both runs finish,
+    # each in the store of its own command's directory.
+    directories = [tmp_path / "first", tmp_path / "second"]
+    for directory in directories:
+        directory.mkdir()
+    both = [
+        start_rayapp("submit", "--nodes", "1", "--epochs", "2", str(run_dir / "job.yaml"), cwd=d)
+        for d in directories
+    ]
+    try:
+        outputs = [process.communicate(timeout=85)[0] for process in both]
+    finally:
+        for process in both:
+            if process.poll() is None:
+                process.kill()
+    assert [process.returncode for process in both] == [0, 0], outputs
+    for directory, output in zip(directories, outputs, strict=True):
+        assert "from its preloaded driver" in output, output
+        assert only_run(mlflow_client(directory)).info.status == "FINISHED"
+    served = (Path(record.log_dir) / "preloaded-driver.log").read_text()
+    assert served.count("submit --nodes 1") == 2 and "declined" not in served, served
+
     # Ctrl-C: sent to the command, it reaches the run in the driver's child.
     process = start_rayapp("submit", "--nodes", "2", "--epochs", "200", "job.yaml", cwd=run_dir)
     try:

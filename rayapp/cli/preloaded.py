@@ -10,7 +10,13 @@ descriptors, SCM_RIGHTS: a terminal stays a terminal), and the server forks a ch
 that command. The command
 waits and exits with the child's status; Ctrl-C, SIGTERM and SIGHUP sent to it reach the child,
 and a child whose command is gone (killed) is sent SIGTERM, so it ends its run as a stopped one.
-Each command gets a new process: nothing of one run is left for the next.
+Each command gets a new process: nothing of one run is left for the next, and commands sent at
+the same time each get their own.
+
+A fork is safe only in a process with a single thread, so the server does nothing but import and
+wait on its socket, and counts its threads before every fork, declining with more than one
+(rayapp.cli.preloaded_server says how its imports are kept from starting any). Every signal of
+the three processes is handled in rayapp.launch.preloaded_signals.
 
 The server is used only when the child would run the same code under the same settings as the
 command itself: the same Python and interpreter flags, rayapp and the preloaded libraries unchanged
@@ -27,7 +33,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,8 +40,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rayapp.launch.preloaded_signals import Forwarder
+
 PRELOAD = (
-    # What a submit or bench imports before its job reaches Ray, slowest first (python -X importtime).
+    # What a submit or bench imports before its job reaches Ray, slowest first (-X importtime).
     "rayapp.driver.submit",  # torch, via TorchTrainer
     "rayapp.driver.sweep",
     "mlflow",
@@ -61,9 +68,11 @@ IMPORT_TIME_ENV_PREFIXES = (
     "SQLALCHEMY",
 )
 """Variables the preloaded libraries (or Python) may read once, when imported: a child forked from
-the server would see the server's values in them, not the command's. (MLflow reads its own when used.)"""
+the server would see the server's values in them, not the command's. (MLflow reads its own when
+used.)"""
 STREAM_ENV = ("PYTHONUNBUFFERED", "PYTHONIOENCODING")
-"""Read by Python at start for its standard streams only, which the child sets up as the command's."""
+"""Read by Python at start for its standard streams only, which the child sets up as the
+command's."""
 COMMANDS = ("submit", "bench")
 """The commands that run a job on the warm cluster; every other one is quick in its own process."""
 START_TIMEOUT_S = 120.0
@@ -112,7 +121,8 @@ def interpreter_identity() -> dict:
 
 
 def _origins() -> dict[str, str | None]:
-    """Where this command would import rayapp and each preloaded library from (found, not loaded)."""
+    """Where this command would import rayapp and each preloaded library from (found, not
+    loaded)."""
     import importlib.util
 
     origins = {}
@@ -144,35 +154,16 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> int | None:
     socket_path = warm.preloaded_driver_socket()
     if socket_path is None:
         return None
-    # Signals that come while the server answers are held, then passed on to the child, or (when the
-    # command runs here after all) raised again here, so that no Ctrl-C is lost or half-handled.
-    held: list[int] = []
-    child: int | None = None
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if child is None:
-            held.append(signum)
-        else:
-            _signal(child, signum)
-
-    passed_on = [
-        signum
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    ]  # ignored here, ignored there
-    previous = {signum: signal.signal(signum, on_signal) for signum in passed_on}
-    first = _request(socket_path, argv, sigint_ignored=signal.SIGINT not in passed_on)
+    forwarder = Forwarder()
+    forwarder.install()
+    first = _request(socket_path, argv, sigint_ignored=forwarder.sigint_ignored)
     if "pid" not in first:  # declined, or the server is gone (stopped, crashed): run here
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         if "refused" in first:
             status(f"running without the warm cluster's preloaded driver: {first['refused']}")
-        for signum in held:
-            signal.raise_signal(signum)
+        forwarder.restore()  # a Ctrl-C that came meanwhile is raised here now
         return None
     child = first["pid"]
-    for signum in held:
-        _signal(child, signum)
+    forwarder.forward_to(child)
     last = receive_reply(first["replies"])
     if "exit" not in last:
         print(
@@ -221,11 +212,6 @@ def _stream_settings(stream: io.TextIOWrapper | None) -> list:
     if stream is None:  # started with the descriptor closed: sending it fails first
         return ["utf-8", "strict", False]
     return [stream.encoding, stream.errors, bool(getattr(stream, "write_through", False))]
-
-
-def _signal(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
 
 
 def _umask() -> int:

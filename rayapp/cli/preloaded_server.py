@@ -2,6 +2,15 @@
 that becomes that command (rayapp.cli.preloaded has the whole story and the command's side).
 
     python -m rayapp.cli.preloaded_server SOCKET      # started by `rayapp cluster up`
+
+Forking is safe only in a process with one thread: a thread that holds a lock (an allocator's, a
+thread pool's, the import lock) at the fork leaves it held for ever in the child, which then hangs
+or corrupts its state. So the server does nothing but import and wait on its socket; it starts no
+thread, uses none of the libraries it imported (no Ray connection, no MLflow client, no tensor),
+imports them with the two settings that keep their imports from starting threads
+(:data:`SINGLE_THREADED_IMPORTS`), and counts its threads (the kernel's count, which sees native
+threads Python does not) before every fork: with more than one it declines, and the command runs
+in its own process.
 """
 
 from __future__ import annotations
@@ -10,11 +19,12 @@ import contextlib
 import importlib
 import io
 import os
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from rayapp.cli.preloaded import (
     PRELOAD,
@@ -23,21 +33,37 @@ from rayapp.cli.preloaded import (
     receive_request,
     send_message,
 )
+from rayapp.launch import preloaded_signals
+
+SINGLE_THREADED_IMPORTS = {
+    # numpy's OpenBLAS starts a pool of (cores - 1) threads when loaded, with torch and pandas.
+    # The driver does no BLAS work: its children run numpy's BLAS on one thread.
+    "OPENBLAS_NUM_THREADS": "1",
+    # pyarrow's jemalloc (loaded with MLflow, through pandas) starts a background purging thread;
+    # without it jemalloc purges as it allocates.
+    "JE_ARROW_MALLOC_CONF": "background_thread:false",
+}
+"""Set in the server alone, for its imports; not passed on to the commands' environment."""
 
 
 def serve(socket_path: str) -> None:
     """Import PRELOAD, then fork a child per request, forever (SIGTERM ends it)."""
     before = dict(os.environ)
     environment = import_time_environment(before)  # before the imports add their own
+    os.environ.update(SINGLE_THREADED_IMPORTS)
     for name in PRELOAD:
         importlib.import_module(name)
+    threads = _threads()
+    if threads:
+        sys.exit(f"rayapp preloaded driver: {threads}; it would decline every command")
     fingerprint = _fingerprint()
     # What the imports set for themselves (Ray: RAY_CLIENT_MODE=0), as they would in the command.
-    set_by_imports = {name: value for name, value in os.environ.items() if name not in before}
-    signal.signal(
-        signal.SIGCHLD, signal.SIG_IGN
-    )  # the kernel reaps the children: none becomes a zombie
-    signal.signal(signal.SIGTERM, lambda *_: _stop(socket_path))
+    set_by_imports = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in before and name not in SINGLE_THREADED_IMPORTS
+    }
+    preloaded_signals.serve_until_terminated(lambda: _stop(socket_path))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     partial = f"{socket_path}.{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
@@ -58,7 +84,7 @@ def serve(socket_path: str) -> None:
             print(f"rayapp preloaded driver: a bad request ({exc})", flush=True)
             connection.close()
             continue
-        refusal = _refusal(request, fingerprint, environment)
+        refusal = _refusal(request, fingerprint, environment) or _threads()
         command = " ".join(request.get("argv", [])[1:])
         child = -1
         if not refusal:
@@ -80,6 +106,14 @@ def serve(socket_path: str) -> None:
         for descriptor in descriptors:
             os.close(descriptor)
         connection.close()
+
+
+def _threads() -> str:
+    """'' when this process has one thread, the only state in which a fork is safe; else why not."""
+    count = psutil.Process().num_threads()
+    if count == 1:
+        return ""
+    return f"the preloaded driver runs {count} threads, and forking it is safe only with one"
 
 
 def _stop(socket_path: str) -> None:
@@ -114,7 +148,8 @@ def _refusal(request: dict, fingerprint: dict, environment: dict[str, str]) -> s
         if environment.get(name) != request["env"].get(name)
     )
     if differing:
-        return f"{', '.join(differing[:3])}{' ...' if len(differing) > 3 else ''} set differently than at `cluster up`"
+        names = ", ".join(differing[:3]) + (" ..." if len(differing) > 3 else "")
+        return f"{names} set differently than at `cluster up`"
     if request.get("origins") != {
         name: sys.modules[name].__file__ for name in request.get("origins", {})
     } or set(request.get("origins", {})) != {name.split(".")[0] for name in PRELOAD}:
@@ -131,17 +166,12 @@ def _become(
     then run it as `rayapp` would run it; the exit status goes back to the waiting command."""
     exit_code = 1
     try:
-        os.setsid()  # out of the server's session: `cluster down` stopping the server leaves runs be
+        # Out of the server's session: `cluster down` stopping the server leaves runs be.
+        os.setsid()
         for target, descriptor in enumerate(descriptors):
             os.dup2(descriptor, target)
             os.close(descriptor)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # As Python would have it in the command: Ctrl-C raises, unless the command inherited it ignored.
-        signal.signal(
-            signal.SIGINT,
-            signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler,
-        )
+        preloaded_signals.as_the_command(request["sigint_ignored"])
         os.chdir(request["cwd"])
         os.umask(request["umask"])
         os.environ.clear()
@@ -150,7 +180,7 @@ def _become(
         sys.path[:] = request["path"]
         _reopen_standard_streams(request["streams"])
         send_message(connection, {"pid": os.getpid()})
-        _watch_command(connection)
+        preloaded_signals.terminate_when_closed(connection)
 
         from rayapp.cli.program import run_here
         from rayapp.launch import warm
@@ -190,19 +220,6 @@ def _reopen_standard_streams(settings: dict) -> None:
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-
-
-def _watch_command(connection: socket.socket) -> None:
-    """SIGTERM to this child when its command goes away (killed, its terminal closed)."""
-    import threading
-
-    def watch() -> None:
-        with contextlib.suppress(OSError):
-            while connection.recv(64):
-                pass
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="rayapp-command-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -30,12 +30,15 @@ from rayapp.tracking.backfill import read_history, write_history
 
 CHECKPOINT_FILE = "state.pt"
 DCP_METADATA = ".metadata"
+STOPPED_MARKER = "stopped_early"
+"""An empty file in the checkpoint of the epoch where the loop stopped early."""
 
 
 def _state_dicts(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool
 ) -> tuple[dict, dict]:
-    """Model and optimizer state: full and on CPU, or as each rank holds it (a collective under FSDP)."""
+    """Model and optimizer state: full and on CPU, or as each rank holds it (a collective under
+    FSDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
@@ -114,7 +117,8 @@ def load(directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any]) 
 
 def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> dict | None:
     """Load the checkpoint Ray Train restarted this worker group from; returns its saved history
-    (run_id, epoch, history), or None when the job starts fresh."""
+    (run_id, epoch, history, and stopped: whether the loop had stopped early there), or None when
+    the job starts fresh."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
@@ -122,7 +126,9 @@ def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> dict | Non
         return None
     with checkpoint.as_directory() as directory:
         load(directory, model, optimizer, extra)
-        return read_history(directory)
+        saved = read_history(directory)
+        saved["stopped"] = os.path.exists(os.path.join(directory, STOPPED_MARKER))
+        return saved
 
 
 def report_epoch(
@@ -137,9 +143,11 @@ def report_epoch(
     epoch: int,
     run_id: str,
     rank: int,
+    stopped: bool = False,
 ) -> None:
     """Report the epoch to Ray Train from every rank, with this rank's part of a checkpoint when
-    `save_now`. With checkpoint.async the upload to storage runs in the background."""
+    `save_now`; `stopped` marks the checkpoint as the last of a loop that stopped early, so a
+    restart does not train past it. With checkpoint.async the upload runs in the background."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -151,8 +159,11 @@ def report_epoch(
     try:
         save(spec, directory, model, optimizer, extra, rank=rank)
         if rank == 0:
-            # Beside the weights, not in them: the driver reads it without torch or the state's size.
+            # Beside the weights, not in them: the driver reads it without torch or the state's
+            # size.
             write_history(directory, run_id=run_id, epoch=epoch, history=history)
+            if stopped:
+                open(os.path.join(directory, STOPPED_MARKER), "w").close()
         mode = (
             CheckpointUploadMode.ASYNC if spec.checkpoint.async_save else CheckpointUploadMode.SYNC
         )

@@ -17,11 +17,17 @@ epoch logged exactly once. A loop looks like this::
                     with ctx.autocast():                    # train.precision: bf16/fp16
                         loss = F.cross_entropy(model(inputs), targets)
                     ctx.backward(loss)                      # fp16 loss scaling, accumulation
-                    ctx.step(optimizer)                     # clipping, then step every grad_accum_steps
+                    ctx.step(optimizer)                     # clipping; steps every grad_accum_steps
             ctx.log_epoch({"loss": ctx.mean(loss)})
 
 A loop may also call ``loss.backward()`` and ``optimizer.step()`` itself; ctx.backward/ctx.step
 add what the job's settings ask for (precision, accumulation, clipping, step-level metrics).
+
+Stopping early: ``break`` out of :meth:`TrainContext.epochs` on every rank at the same epoch (decide
+from figures every rank shares, such as :meth:`TrainContext.mean`), or call
+:meth:`TrainContext.stop` on any rank and let the loop run out. Either way the last epoch is logged
+and checkpointed, ``trained_model`` is set and the run ends FINISHED, tagged
+``rayapp.early_stopped``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rayapp.spec import JobSpec
 from rayapp.tracking.logger import NullLogger
-from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IDS, TAG_NODE_IPS
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, TAG_NODE_IPS
 from rayapp.train import checkpoint, collectives, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
@@ -75,6 +81,10 @@ class TrainContext:
         self._epoch_metrics: dict[str, float] = {}
         self._history: list[dict] = []
         self._trained: nn.Module | None = None
+        self._last_epoch: int | None = None
+        # The epoch a `break` left: its logging and checkpoint wait for the loop to return.
+        self._left_epoch: tuple[nn.Module, Any, Mapping[str, Any]] | None = None
+        self._stop_requested = False
         self._attempt = 1
         self._stepper = Stepper(
             self.spec,
@@ -120,11 +130,13 @@ class TrainContext:
     # ---- set-up -----------------------------------------------------------------------
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this worker's device."""
+        """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this
+        worker's device."""
         placement = apply_strategy(self.spec, model, self.device)
         self._comm_clock = DdpCommClock(placement.model)  # NaN for strategies without DDP's reducer
         if self.spec.train.compile:
-            # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles through.
+            # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles
+            # through.
             placement = Placement(
                 torch.compile(placement.model), placement.input_device, placement.output_device
             )
@@ -139,9 +151,9 @@ class TrainContext:
         shuffle: bool = True,
         **loader_kwargs: Any,
     ) -> DataLoader:
-        """This rank's shard of `dataset` (DistributedSampler, reshuffled each epoch by :meth:`epochs`),
-        in batches of `batch_size` (default: the job's per-worker batch); every rank takes the same
-        number of steps (the last incomplete batch is dropped)."""
+        """This rank's shard of `dataset` (DistributedSampler, reshuffled each epoch by
+        :meth:`epochs`), in batches of `batch_size` (default: the job's per-worker batch); every
+        rank takes the same number of steps (the last incomplete batch is dropped)."""
         loader = build_loader(
             self.spec,
             dataset,
@@ -162,8 +174,14 @@ class TrainContext:
 
     @property
     def trained_model(self) -> nn.Module | None:
-        """The model :meth:`epochs` trained, once it has run to the end; None before."""
+        """The model :meth:`epochs` trained, once the loop over it has ended (run out, stopped,
+        or left with ``break``); None before."""
         return self._trained
+
+    @property
+    def last_epoch(self) -> int | None:
+        """The last epoch :meth:`epochs` finished (logged and reported); None before the first."""
+        return self._last_epoch
 
     # ---- the epoch loop ---------------------------------------------------------------
 
@@ -173,13 +191,45 @@ class TrainContext:
         """The epochs left to train: resumes `model`, `optimizer` and any other `stateful` object
         (anything with state_dict/load_state_dict, e.g. an LR scheduler) from the last checkpoint
         after a restart. After each epoch's body it takes the timings, logs the epoch once, and
-        checkpoints."""
+        checkpoints.
+
+        Stopping early: after :meth:`stop`, this is the last epoch; after ``break``, the epoch
+        left is logged and checkpointed when the job's loop returns (the ranks meet in collectives
+        there, so every rank must break at the same epoch). Either way the run is tagged
+        ``rayapp.early_stopped`` and ends FINISHED."""
         start = self._resume(model, optimizer, stateful)
         for epoch in range(start, self.spec.train.epochs):
             self._start_epoch(epoch)
-            yield epoch
-            self._end_epoch(model, optimizer, stateful)
+            self._left_epoch = (model, optimizer, stateful)
+            try:
+                yield epoch
+            except GeneratorExit:
+                # `break` (or an exception) left the loop in this epoch. Which of the two is not
+                # visible here, so nothing collective or recorded happens now: an exception must
+                # fail the epoch, not checkpoint it. end_loop() finishes the epoch once the loop
+                # has returned normally; an exception never gets there.
+                self._leave_epoch(model)
+                raise
+            self._left_epoch = None
+            if self._end_epoch(model, optimizer, stateful, leaving=False):
+                break
         self._trained = model
+        self._epoch = None
+
+    def stop(self) -> None:
+        """Make the current epoch the last: it is logged and checkpointed as usual, then
+        :meth:`epochs` ends on every rank (the ranks agree at the epoch's end, so a call on one
+        rank is enough)."""
+        self._stop_requested = True
+
+    def end_loop(self) -> None:
+        """After the job's loop returned: log and checkpoint the epoch a ``break`` left (a
+        collective, as at every epoch's end). rayapp calls it on every rank."""
+        if self._left_epoch is None:
+            return
+        model, optimizer, stateful = self._left_epoch
+        self._leave_epoch(model)
+        self._end_epoch(model, optimizer, stateful, leaving=True)
         self._epoch = None
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
@@ -225,7 +275,7 @@ class TrainContext:
         return self._stepper.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), averaged over train.grad_accum_steps micro-steps and scaled under fp16."""
+        """loss.backward(), averaged over train.grad_accum_steps micro-steps, scaled under fp16."""
         self._stepper.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -263,10 +313,14 @@ class TrainContext:
         saved = checkpoint.restore(model, optimizer, stateful)
         if saved is not None:
             start, self._history = saved["epoch"] + 1, saved["history"]
+            self._last_epoch = saved["epoch"]
+            if saved["stopped"]:  # the loop had stopped early there: nothing is left to train
+                start = self.spec.train.epochs
         self.begin_attempt()
-        # After a restart each epoch is logged once: epochs checkpointed whose metrics never reached
-        # MLflow are logged from the checkpoint; epochs logged but not checkpointed (the failure came
-        # between the two) are re-run from the checkpoint, deterministically, and not logged again.
+        # After a restart each epoch is logged once: epochs checkpointed whose metrics never
+        # reached MLflow are logged from the checkpoint; epochs logged but not checkpointed (the
+        # failure came between the two) are re-run from the checkpoint, deterministically, and not
+        # logged again.
         self._already_logged = self.logger.logged_epochs() if self._attempt > 1 else set()
         for epoch, metrics in enumerate(self._history):
             if epoch not in self._already_logged:
@@ -312,14 +366,15 @@ class TrainContext:
         nodes_used = len({node_id for node_id, _ in placed})
         if self.spec.cluster.elastic and self.is_chief:
             self.config.say(
-                f"elastic ({self.spec.cluster.nodes_label} nodes): training on {nodes_used} node(s), "
-                f"world size {self.world_size}"
+                f"elastic ({self.spec.cluster.nodes_label} nodes): training on "
+                f"{nodes_used} node(s), world size {self.world_size}"
             )
         elif nodes_used != self.spec.cluster.nodes:
-            # SPREAD (several workers per node) is a preference, not a rule: say where workers landed.
+            # SPREAD (several workers per node) is a preference, not a rule: say where workers
+            # landed.
             self.tell(
-                f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked for; "
-                "per-node figures in this run do not describe that many nodes"
+                f"workers landed on {nodes_used} node(s), not the {self.spec.cluster.nodes} asked "
+                "for; per-node figures in this run do not describe that many nodes"
             )
         return placed[self.rank][1]
 
@@ -340,22 +395,38 @@ class TrainContext:
         synchronize(self.device)
         self._epoch_started = time.perf_counter()
 
-    def _end_epoch(self, model: nn.Module, optimizer, stateful: Mapping[str, Any]) -> None:
+    def _leave_epoch(self, model: nn.Module) -> None:
+        """The loop left the current epoch early: its clock stops here and the model is the
+        trained one; nothing collective (see :meth:`epochs`)."""
+        self._trained = model
+        if self._epoch_stopped is None:
+            synchronize(self.device)
+            self._epoch_stopped = time.perf_counter()
+
+    def _end_epoch(
+        self, model: nn.Module, optimizer, stateful: Mapping[str, Any], *, leaving: bool
+    ) -> bool:
+        """Time, checkpoint and log the current epoch on every rank; returns whether the ranks
+        agreed to stop after it (one rank's `break` or :meth:`stop` is enough)."""
         if self._epoch_stopped is None:
             synchronize(self.device)
             self._epoch_stopped = time.perf_counter()
         epoch_time = self._epoch_stopped - self._epoch_started
         comm_time = self._comm_clock.take_total_s() if self._comm_clock is not None else math.nan
-        # -- timing: the slowest rank's; samples: all ranks'
-        epoch_time, compute_time, data_time, comm_time, peak_mem = collectives.max_over_ranks(
-            [
-                epoch_time,
-                self._compute_timer.total_s(),
-                self._data_timer.total_s(),
-                comm_time,
-                collectives.peak_memory_mb(self.device),
-            ],
-            self.device,
+        # -- timing: the slowest rank's; samples: all ranks'; stopping: any rank's, in the same
+        # all-reduce, so every rank reports and checkpoints this epoch and then stops alike
+        epoch_time, compute_time, data_time, comm_time, peak_mem, stopping = (
+            collectives.max_over_ranks(
+                [
+                    epoch_time,
+                    self._compute_timer.total_s(),
+                    self._data_timer.total_s(),
+                    comm_time,
+                    collectives.peak_memory_mb(self.device),
+                    float(leaving or self._stop_requested),
+                ],
+                self.device,
+            )
         )
         samples = collectives.sum_over_ranks(self._samples, self.device)
         metrics = {
@@ -370,9 +441,11 @@ class TrainContext:
         }
         epoch = self._epoch
         self._history.append(metrics)
-        # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on resume
+        # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on
+        # resume
         every, last = self.spec.checkpoint.every_epochs, self.spec.train.epochs - 1
-        save_now = (epoch + 1) % every == 0 or epoch == last
+        stopped_early = bool(stopping) and epoch < last
+        save_now = (epoch + 1) % every == 0 or epoch == last or stopped_early
         saving_started = time.perf_counter()
         checkpoint.report_epoch(
             self.spec,
@@ -385,13 +458,20 @@ class TrainContext:
             epoch=epoch,
             run_id=self.config.run_id,
             rank=self.rank,
+            stopped=stopped_early,
         )
+        self._last_epoch = epoch
         if epoch not in self._already_logged:
             if save_now:
                 metrics = {**metrics, "checkpoint_time_s": time.perf_counter() - saving_started}
             self.logger.log_epoch(epoch, metrics)
         if self.is_chief:
             self.config.send_progress({"epoch": epoch, **metrics})
+        if stopped_early:
+            self.logger.set_tags({TAG_EARLY_STOPPED: "true"})
+            if self.is_chief:
+                self.config.say(f"stopped early after epoch {epoch + 1}/{self.spec.train.epochs}")
+        return bool(stopping)
 
     def final_model_state(self) -> dict | None:
         """The trained model's full state on CPU, gathered once, at the end (a collective under

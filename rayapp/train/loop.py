@@ -73,6 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
     )
     try:
         job_loop(worker_config)(ctx)
+        ctx.end_loop()  # the epoch a `break` left: logged and checkpointed now
         ctx.close()
         finish(ctx, loop_started)
     except Exception:
@@ -84,7 +85,8 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 def job_loop(worker_config: WorkerConfig) -> Callable[[TrainContext], None]:
-    """The user's script, else the loop the job names (train.loop, ``module:function``), else the built-in one."""
+    """The user's script, else the loop the job names (train.loop, ``module:function``), else
+    the built-in one."""
     train = worker_config.spec.train
     if train.script:
         from rayapp.train.script import script_loop
@@ -109,7 +111,7 @@ def standard_loop(ctx: TrainContext) -> None:
     loss_fn = build_loss(spec)
     classification = spec.data.is_classification or spec.loss == "cross_entropy"
 
-    for epoch in ctx.epochs(model, optimizer):
+    for _epoch in ctx.epochs(model, optimizer):
         loss_sum = torch.zeros((), device=ctx.output_device)
         steps = 0
         for inputs, targets in ctx.batches(loader):
@@ -143,7 +145,8 @@ def standard_loop(ctx: TrainContext) -> None:
 def finish(ctx: TrainContext, loop_started: float) -> None:
     """End-of-run records: final metrics, the full model and the resolved spec as artifacts."""
     spec, logger = ctx.spec, ctx.logger
-    last_epoch = spec.train.epochs - 1
+    # A loop that stopped early ends at its own last epoch; a script reports no epochs to rayapp.
+    last_epoch = ctx.last_epoch if ctx.last_epoch is not None else spec.train.epochs - 1
     finals = {"total_time_s": time.perf_counter() - loop_started}
     if ctx.prepared:  # a script trains in its own process: rayapp holds no model to measure
         finals["param_bytes_per_rank"] = ctx.parameter_bytes()
