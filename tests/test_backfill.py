@@ -1,4 +1,5 @@
-"""Epochs a job checkpointed but never sent to MLflow, filled in from the newest checkpoint (real SQLite store)."""
+"""Epochs a job checkpointed but never sent to MLflow, filled in from the newest checkpoint (real
+SQLite store)."""
 
 from __future__ import annotations
 
