@@ -1,4 +1,5 @@
-"""A real 1-vs-2-node sweep on the embedded cluster: parent run, two child runs, the plot artifact."""
+"""A real 1-vs-2-node sweep on the embedded cluster: parent run, two child runs, the plot
+artifact."""
 
 from __future__ import annotations
 
