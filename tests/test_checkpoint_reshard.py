@@ -1,5 +1,6 @@
 """A DCP checkpoint written by 2 FSDP ranks loads into 1 rank, and into DDP: resuming on another
-world size or strategy gets the same weights and optimizer state. Real process groups (Gloo), no Ray."""
+world size or strategy gets the same weights and optimizer state. Real process groups (Gloo), no
+Ray."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def group(rank: int, world: int, port: int, body, *args) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         body(rank, *args)
-        # Every rank done before any tears down: Gloo can abort a rank whose peer destroyed the group
-        # (and, on rank 0, the store) first ("terminate called without an active exception").
+        # Every rank done before any tears down: Gloo can abort a rank whose peer destroyed the
+        # group (and, on rank 0, the store) first ("terminate called without an active exception").
         dist.barrier()
     finally:
         dist.destroy_process_group()
