@@ -32,7 +32,8 @@ def test_help_has_examples():
         (["--nodes", "-3"], "cluster.nodes: -3"),
         (
             ["--nodes", "2:1"],
-            "cluster.min_nodes: 2 is more than cluster.nodes 1; use --nodes MIN:MAX with MIN <= MAX",
+            "cluster.min_nodes: 2 is more than cluster.nodes 1; "
+            "use --nodes MIN:MAX with MIN <= MAX",
         ),
         (
             ["--nodes", "one"],
@@ -146,7 +147,8 @@ def test_a_hangup_or_terminate_ends_a_command_like_ctrl_c_with_128_plus_the_sign
 
         command()
     """)
-    # As from a terminal: under nohup (SIGHUP ignored, inherited) rayapp rightly leaves SIGHUP alone.
+    # As from a terminal: under nohup (SIGHUP ignored, inherited) rayapp rightly leaves SIGHUP
+    # alone.
     result = subprocess.run(
         [sys.executable, "-c", program],
         capture_output=True,
