@@ -196,7 +196,8 @@ def start_command_problems(config: Config) -> list[str]:
             for host in dashboard_hosts(argv):
                 if is_public_bind(host):
                     problems.append(
-                        f"{where} publishes the dashboard on {host!r}; use 127.0.0.1 and `ray dashboard`"
+                        f"{where} publishes the dashboard on {host!r}; "
+                        "use 127.0.0.1 and `ray dashboard`"
                     )
     return problems
 
@@ -273,8 +274,8 @@ def storage_problems(config: Config) -> list[str]:
             if provider in STORAGE_SCHEMES:
                 if not value.startswith(STORAGE_SCHEMES[provider]):
                     problems.append(
-                        f"{node_type}: RAYAPP_STORAGE_PATH={value} is not shared storage for {provider} "
-                        f"(expected {' or '.join(STORAGE_SCHEMES[provider])})"
+                        f"{node_type}: RAYAPP_STORAGE_PATH={value} is not shared storage for "
+                        f"{provider} (expected {' or '.join(STORAGE_SCHEMES[provider])})"
                     )
             else:
                 mounts = nfs_mount_points(commands)
@@ -282,8 +283,8 @@ def storage_problems(config: Config) -> list[str]:
                     value.startswith(point + "/") for point in mounts
                 ):
                     problems.append(
-                        f"{node_type}: RAYAPP_STORAGE_PATH={value} is not below a shared (NFS) mount "
-                        f"made in the setup commands ({mounts or 'none'})"
+                        f"{node_type}: RAYAPP_STORAGE_PATH={value} is not below a shared (NFS) "
+                        f"mount made in the setup commands ({mounts or 'none'})"
                     )
     return problems
 
@@ -301,8 +302,8 @@ def aws_ingress_problems(config: Config) -> list[str]:
     for name, node_type in config["available_node_types"].items():
         if "SecurityGroupIds" in node_type["node_config"]:
             problems.append(
-                f"{name}: SecurityGroupIds names an existing group whose rules cannot be checked here; "
-                "use provider.security_group.GroupName"
+                f"{name}: SecurityGroupIds names an existing group whose rules cannot be checked "
+                "here; use provider.security_group.GroupName"
             )
     extra = config["provider"].get("security_group", {}).get("IpPermissions", [])
     for rule in _create_default_inbound_rules({"sg-of-this-cluster"}, extra):
@@ -325,7 +326,8 @@ def gcp_network_name(network: str) -> str:
 
 
 def gcp_ingress_problems(config: Config) -> list[str]:
-    """The nodes sit in a network of their own whose declared firewall opens only SSH to the world."""
+    """The nodes sit in a network of their own whose declared firewall opens only SSH to the
+    world."""
     problems = []
     rules = (config.get("metadata") or {}).get("gcp_firewall_rules")
     if not rules:
@@ -471,7 +473,8 @@ def token_env_problems(container: dict, where: str, secret_name: str | None = No
             problems.append(f"{where}: RAY_AUTH_TOKEN does not come from a Secret (secretKeyRef)")
         elif secret_name and ref["name"] != secret_name:
             problems.append(
-                f"{where}: RAY_AUTH_TOKEN comes from Secret {ref['name']!r}, authOptions names {secret_name!r}"
+                f"{where}: RAY_AUTH_TOKEN comes from Secret {ref['name']!r}, "
+                f"authOptions names {secret_name!r}"
             )
     return problems
 
@@ -496,7 +499,8 @@ def pod_storage_problems(
         ) in rwx_claims:
             return []
     return [
-        f"{where}: RAYAPP_STORAGE_PATH={path} is not on a ReadWriteMany volume claim of this manifest"
+        f"{where}: RAYAPP_STORAGE_PATH={path} is not on a ReadWriteMany volume claim of "
+        "this manifest"
     ]
 
 
@@ -743,7 +747,8 @@ BAD_LAUNCHER_CASES = {
         lambda c: c.update(
             head_start_ray_commands=[
                 "ray stop",
-                "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/auth_token ray start --head --dashboard-host 0.0.0.0",
+                "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/auth_token ray start --head "
+                "--dashboard-host 0.0.0.0",
             ]
         ),
     ),
@@ -961,7 +966,8 @@ def test_kuberay_checker_rejects_bad_manifests(case):
 
 def test_shell_parsing_sees_env_prefixes_and_pip_requirements():
     commands = [
-        "ulimit -n 65536; RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/.ray/auth_token ray start --head",
+        "ulimit -n 65536; "
+        "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/.ray/auth_token ray start --head",
         'test -x ~/v/bin/python || uv pip install "torch>=2.4" -q "rayapp @ git+https://x/rayapp@main"',
     ]
     assert ray_starts(commands) == [
