@@ -1,4 +1,5 @@
-"""EmbeddedCluster.stop() on a real two-node cluster: when it returns, every process the cluster ran is gone."""
+"""EmbeddedCluster.stop() on a real two-node cluster: when it returns, every process the cluster ran
+is gone."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
 
         @ray.remote(num_cpus=1)
         class Spawner:
-            """A worker that starts a process of its own, as a data loader or a user's tool would."""
+            """A worker that starts a process of its own, as a data loader or a user's tool
+            would."""
 
             def start_child(self) -> tuple[int, int]:
                 import subprocess
@@ -53,7 +55,8 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
     survivors = {pid: cmdline(pid) for pid in cluster_pids if alive(pid)}
     assert not survivors, f"processes of the cluster outlived stop(): {survivors}"
     # Each `ray start --block` leader stopped its own daemons on SIGTERM (it exits 1), rather than
-    # sitting out Ray's 30 s node drain, which detached actors keep from ending, until stop() SIGKILLs it.
+    # sitting out Ray's 30 s node drain, which detached actors keep from ending, until stop()
+    # SIGKILLs it.
     assert [leader.returncode for leader in leaders] == [1, 1], "a node was SIGKILLed, not stopped"
 
 
