@@ -1,4 +1,5 @@
-"""compare's arithmetic on runs with known metric values, logged by the test into a real MLflow SQLite store."""
+"""compare's arithmetic on runs with known metric values, logged by the test into a real MLflow
+SQLite store."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def log_run(
     epochs: list[dict],
     experiment: str = "cmp",
 ) -> str:
-    """world: a fixed size, or an elastic run's "MIN:MAX" as rayapp logs it in `nodes` and `world_size`."""
+    """world: a fixed size, or an elastic run's "MIN:MAX" as rayapp logs it in `nodes` and
+    `world_size`."""
     params = {
         "job": job,
         "nodes": str(world),
