@@ -1,4 +1,5 @@
-"""GPU paths: NCCL process groups, DDP and FSDP on CUDA, nn.DataParallel and the two-GPU model split.
+"""GPU paths: NCCL process groups, DDP and FSDP on CUDA, nn.DataParallel and the two-GPU model
+split.
 
 Marked `gpu`: skipped (by conftest) on machines without CUDA. They run the real CLI on the
 embedded cluster, which deals the machine's GPUs out to its nodes.
