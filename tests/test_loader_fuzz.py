@@ -1,4 +1,5 @@
-"""Property test of the job YAML loader: any input gives a spec or a one-line SpecError, never anything else."""
+"""Property test of the job YAML loader: any input gives a spec or a one-line SpecError, never
+anything else."""
 
 from __future__ import annotations
 
