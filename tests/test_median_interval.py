@@ -1,4 +1,5 @@
-"""benchmarks/median_interval.py: the order-statistic interval and the three-way verdict it allows."""
+"""benchmarks/median_interval.py: the order-statistic interval and the three-way verdict it
+allows."""
 
 from __future__ import annotations
 
