@@ -1,4 +1,5 @@
-"""A real `mlflow server` goes away during a run: training goes on, and no metric is lost or doubled."""
+"""A real `mlflow server` goes away during a run: training goes on, and no metric is lost or
+doubled."""
 
 from __future__ import annotations
 
