@@ -1,4 +1,5 @@
-"""benchmarks/preemptions.py on lines in the exact format `perf script -F comm,tid,cpu,time,event,trace` writes.
+"""benchmarks/preemptions.py on lines in the exact format
+`perf script -F comm,tid,cpu,time,event,trace` writes.
 
 The trace is written here because recording one needs perf and scheduler tracepoints, which a
 test machine may lack; the lines are copied in shape from a real trace of a rayapp worker."""
@@ -16,8 +17,9 @@ import preemptions  # noqa: E402
 
 def switch(t: float, prev: tuple[str, int], state: str, nxt: tuple[str, int]) -> str:
     return (
-        f"{prev[0]:>16} {prev[1]:5d} [000] {t:12.6f}:       sched:sched_switch: prev_comm={prev[0]} "
-        f"prev_pid={prev[1]} prev_prio=135 prev_state={state} ==> next_comm={nxt[0]} next_pid={nxt[1]} next_prio=135"
+        f"{prev[0]:>16} {prev[1]:5d} [000] {t:12.6f}:       sched:sched_switch: "
+        f"prev_comm={prev[0]} prev_pid={prev[1]} prev_prio=135 prev_state={state} "
+        f"==> next_comm={nxt[0]} next_pid={nxt[1]} next_prio=135"
     )
 
 
