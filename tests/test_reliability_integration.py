@@ -1,4 +1,5 @@
-"""Reliability on a real embedded cluster: a worker killed mid-run, Ctrl-C, and impossible requests."""
+"""Reliability on a real embedded cluster: a worker killed mid-run, Ctrl-C, and impossible
+requests."""
 
 from __future__ import annotations
 
@@ -254,7 +255,8 @@ def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two
         shown: list = []
         with progress_pump(shown.append) as queue:
             queue.size()  # placed and running
-            # The GCS's own record (the state API needs the dashboard, which this cluster runs without).
+            # The GCS's own record (the state API needs the dashboard, which this cluster runs
+            # without).
             placed = ray._private.state.actors(queue.actor._actor_id.hex())["Address"]["NodeID"]
             assert placed == ray.get_runtime_context().get_node_id()
             config = WorkerConfig(
