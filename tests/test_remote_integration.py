@@ -1,5 +1,5 @@
-"""`rayapp submit --address http://...` end to end: a real Ray cluster with its dashboard (Jobs API),
-Ray token authentication on, two raylets, and a real `mlflow server` the job's driver logs to.
+"""`rayapp submit --address http://...` end to end: a real Ray cluster with its dashboard (Jobs
+API), Ray token authentication on, two raylets, and a real `mlflow server` the job's driver logs to.
 
 The cluster and the server are started once for the module; the tests run in file order
 (the status/logs test reads the job the submit test ran).
@@ -140,7 +140,8 @@ def _mlflow_server(directory: Path):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """(dashboard URL, MLflow server URL, cluster): a 2-node token-authenticated cluster and a tracking server."""
+    """(dashboard URL, MLflow server URL, cluster): a 2-node token-authenticated cluster and a
+    tracking server."""
     directory = tmp_path_factory.mktemp("remote")
     saved_env = dict(os.environ)
     # The job's entrypoint runs `python` on the head node: this interpreter, as on a real cluster
@@ -205,7 +206,10 @@ def rayapp(
 
 
 def output(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    return (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
+        f"--- stderr\n{result.stderr[-4000:]}"
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -225,7 +229,8 @@ def mlflow_runs(mlflow_url: str, experiment: str):
 
 @pytest.mark.parametrize("job", ["seed_linear", "mlp_synthetic", "digits_mlp"])
 def test_the_cluster_runs_the_resolved_spec(job):
-    """What the job's driver loads is the spec resolved here, flags included, pointed at its own cluster."""
+    """What the job's driver loads is the spec resolved here, flags included, pointed at its own
+    cluster."""
     import dataclasses
 
     from rayapp.launch.remote_job import remote_job_yaml
@@ -248,7 +253,8 @@ def test_the_cluster_runs_the_resolved_spec(job):
 
 
 def test_local_tracking_store_is_refused(tmp_path):
-    """A SQLite store on the laptop is unreachable from a cluster: refused before anything is submitted."""
+    """A SQLite store on the laptop is unreachable from a cluster: refused before anything is
+    submitted."""
     refused = rayapp(
         "submit",
         "--address",
