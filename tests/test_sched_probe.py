@@ -1,4 +1,5 @@
-"""benchmarks/sched_probe.py against real processes: its figures come from /proc, nothing is faked."""
+"""benchmarks/sched_probe.py against real processes: its figures come from /proc, nothing is
+faked."""
 
 from __future__ import annotations
 
