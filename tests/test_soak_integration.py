@@ -84,10 +84,10 @@ def footprint(record: warm.WarmCluster, temp_root: Path) -> dict:
 
 
 def lasting_descriptors(first: dict, last: dict) -> tuple[int, int]:
-    """Descriptors held after the first and after the last job by the processes alive at both counts,
-    the log monitor and the GCS apart. Ray's idle worker processes come and go between jobs (about 40
-    descriptors each); a new process carries nothing over from earlier jobs, so only a process that
-    lives through them all can accumulate a leak."""
+    """Descriptors held after the first and after the last job by the processes alive at both
+    counts, the log monitor and the GCS apart. Ray's idle worker processes come and go between jobs
+    (about 40 descriptors each); a new process carries nothing over from earlier jobs, so only a
+    process that lives through them all can accumulate a leak."""
     lasting = [
         pid
         for pid, (name, _) in first["by pid"].items()
@@ -140,9 +140,9 @@ def test_ten_jobs_in_a_row_leak_nothing(tmp_path, monkeypatch):
         if pid in last["by pid"] and last["by pid"][pid][1] != n
     }
     print(f"lasting processes' descriptors: {before} -> {after}; changed: {grown}")
-    # Each raylet keeps up to one descriptor more per finished job (seen: 55 -> 62 and 52 -> 55 over nine
-    # jobs), as the GCS keeps two; plus a few of slack for a connection open at the moment of counting.
-    # A job that leaked two or more descriptors per node would go past it.
+    # Each raylet keeps up to one descriptor more per finished job (seen: 55 -> 62 and 52 -> 55 over
+    # nine jobs), as the GCS keeps two; plus a few of slack for a connection open at the moment of
+    # counting. A job that leaked two or more descriptors per node would go past it.
     allowed = before + (len(counts) - 1) * record.nodes + 5 * record.nodes
     assert after <= allowed, (before, after, allowed, grown)
     assert last["listening ports"] <= first["listening ports"] + record.nodes, counts
