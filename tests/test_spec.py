@@ -126,7 +126,10 @@ def test_strong_scaling_global_batch_must_divide_world():
     document = {"train": {"scaling": "strong", "global_batch_size": 100}}
     with pytest.raises(
         SpecError,
-        match=r"global_batch_size: 100 is not divisible by world_size 3 \(nodes 3 \* workers_per_node 1\)",
+        match=(
+            r"global_batch_size: 100 is not divisible by world_size 3 "
+            r"\(nodes 3 \* workers_per_node 1\)"
+        ),
     ):
         build_spec(document, {"cluster.nodes": 3})
 
