@@ -1,7 +1,8 @@
-"""DDP and FSDP on CPU/Gloo with 2 workers, and DDP's 1-vs-2-worker equivalence under a fixed global batch.
+"""DDP and FSDP on CPU/Gloo with 2 workers, and DDP's 1-vs-2-worker equivalence under a fixed global
+batch.
 
-One MLflow store holds three real runs of jobs/mlp_synthetic.yaml (strong scaling, global batch 256):
-DDP on 1 node, DDP on 2 nodes, FSDP on 2 nodes.
+One MLflow store holds three real runs of jobs/mlp_synthetic.yaml (strong scaling, global batch
+256): DDP on 1 node, DDP on 2 nodes, FSDP on 2 nodes.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def test_fsdp_trains_on_cpu_and_shards_parameters(runs):
     ratio = fsdp.data.metrics["param_bytes_per_rank"] / ddp.data.metrics["param_bytes_per_rank"]
     assert 0.45 < ratio < 0.55, ratio
     assert all(value > 0 for value in history(client, fsdp, "peak_mem_mb"))
-    # FSDP has no DDP reducer to read comm time from: it is recorded as not measured, once per epoch.
+    # FSDP has no DDP reducer to read comm time from: it is recorded as not measured, once per
+    # epoch.
     comm = history(client, fsdp, "comm_time_s")
     assert len(comm) == EPOCHS and all(math.isnan(value) for value in comm)
