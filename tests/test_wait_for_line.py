@@ -10,7 +10,10 @@ import pytest
 from conftest import wait_for_line
 
 # a burst of lines in one write, the needle last, then silence: the shape of a run's start-up output
-BURST = "import sys, time; sys.stdout.write(''.join(f'line {i}\\n' for i in range(50)) + 'needle\\n'); sys.stdout.flush(); time.sleep(60)"
+BURST = (
+    "import sys, time; sys.stdout.write(''.join(f'line {i}\\n' for i in range(50)) + "
+    "'needle\\n'); sys.stdout.flush(); time.sleep(60)"
+)
 
 
 def child(code: str) -> subprocess.Popen:
