@@ -26,8 +26,9 @@ def new_run(tracking_uri: str) -> str:
 SHORT_RUN = """
 import sys, time
 from rayapp.train import system_metrics
-sampler = system_metrics.start(run_id=sys.argv[1], tracking_uri=sys.argv[2], interval_s=30, node=sys.argv[3],
-                               resume=False)
+sampler = system_metrics.start(
+    run_id=sys.argv[1], tracking_uri=sys.argv[2], interval_s=30, node=sys.argv[3], resume=False
+)
 assert sampler is not None
 busy_until = time.monotonic() + 0.5
 while time.monotonic() < busy_until:  # the machine's CPU is busy while the sample is taken
