@@ -72,7 +72,8 @@ class Sweep:
 
 @pytest.fixture(scope="module")
 def chromium():
-    """Debian's Chromium and Playwright, or a skip (outside CI) / a failure (in CI) saying what is missing."""
+    """Debian's Chromium and Playwright, or a skip (outside CI) / a failure (in CI) saying what is
+    missing."""
     missing = []
     if not os.access(CHROMIUM, os.X_OK):
         missing.append(f"{CHROMIUM} (apt-get install --no-install-recommends chromium)")
@@ -270,9 +271,11 @@ def check_ui(base: str, sweep: Sweep, prefix: Path, workflow: str | None) -> Non
             try:
                 context.set_default_timeout(PAGE_TIMEOUT_MS)
                 context.route("**/*", loopback_only)
-                # MLflow 3.17 opens its Assistant side panel on a first visit, over a third of the page
+                # MLflow 3.17 opens its Assistant side panel on a first visit, over a third of
+                # the page
                 context.add_init_script(
-                    "window.localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true')"
+                    "window.localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', "
+                    "'true')"
                 )
                 page = context.new_page()
                 try:
@@ -355,8 +358,9 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
         page,
         f"""([selector, expected, epochs]) => {{
             const cards = ({CHART_CARDS_JS})(selector);
-            return cards.length === expected.length && expected.every(([key, legend]) => cards.some(
-                card => card.title === key && card.points === epochs && card.text.includes(legend)));
+            return cards.length === expected.length && expected.every(([key, legend]) =>
+                cards.some(card => card.title === key && card.points === epochs
+                    && card.text.includes(legend)));
         }}""",
         [CARD, expected, EPOCHS],
         f"charts {list(CHARTS)} with {EPOCHS} points each did not appear",
@@ -367,7 +371,8 @@ def check_child_charts(page, url: str, sweep: Sweep, shot: Path) -> None:
 
 
 def check_system_charts(page, sweep: Sweep, shot: Path) -> None:
-    """The same run's System metrics tab has a section per node, each counting that node's metrics."""
+    """The same run's System metrics tab has a section per node, each counting that node's
+    metrics."""
     per_node: dict[str, int] = {}
     for key in sweep.child_metrics:
         if key.startswith("system/"):
@@ -398,7 +403,10 @@ def check_parent_plot(page, url: str, sweep: Sweep, shot: Path) -> None:
     page.goto(url)
     page.get_by_role("tab", name="Artifacts").click()
     nodes = '[data-testid="artifact-tree-node"]'
-    names_js = "selector => Array.from(document.querySelectorAll(selector)).map(node => node.innerText.trim())"
+    names_js = (
+        "selector => Array.from(document.querySelectorAll(selector)).map(node => "
+        "node.innerText.trim())"
+    )
     expected = [BENCH_PLOT, "time_breakdown.png", "scaling.csv", "scaling.md", "scaling.json"]
     wait_until(
         page,
@@ -417,7 +425,8 @@ def check_parent_plot(page, url: str, sweep: Sweep, shot: Path) -> None:
         " return !!img && img.complete && img.naturalWidth > 0; }",
         image,
         f"the {BENCH_PLOT} preview did not load",
-        "selector => Array.from(document.querySelectorAll('img')).map(i => [i.alt, i.naturalWidth])",
+        "selector => Array.from(document.querySelectorAll('img'))"
+        ".map(i => [i.alt, i.naturalWidth])",
         None,
     )
     size = page.evaluate(
