@@ -24,7 +24,8 @@ from rayapp.reports.plot import (
 
 PNG = b"\x89PNG\r\n\x1a\n"
 STARTUP = {"startup_cluster_s": 4.3, "startup_workers_s": 2.5, "time_to_first_step_s": 9.7}
-# Three nodes, one numbered past 9, so address order (…2, …3, …10) differs from text order (…10, …2, …3).
+# Three nodes, one numbered past 9, so address order (…2, …3, …10) differs from text order
+# (…10, …2, …3).
 CPU_SAMPLES = {
     "127.0.0.2": [80.0, 90.0, 91.0],
     "127.0.0.3": [85.0, 85.0],
@@ -205,16 +206,21 @@ def test_scaling_figure_has_the_breakdown_panel(store):
     figure = scaling_figure(summaries)
     assert [axis.get_title() for axis in figure.axes] == [*SCALING_TITLES, BREAKDOWN_TITLE]
     breakdown = figure.axes[2]
-    # One stacked bar per run, in the panel's order (by group, then world size): each adds up to its epoch.
+    # One stacked bar per run, in the panel's order (by group, then world size): each adds up to its
+    # epoch.
     bars = [
         container for container in breakdown.containers if len(container.patches) == len(summaries)
     ]
     assert len(bars) == 4  # compute, comm, data, other
     totals = [
         sum(parts)
-        for parts in zip(*[[patch.get_height() for patch in bar.patches] for bar in bars])
+        for parts in zip(
+            *[[patch.get_height() for patch in bar.patches] for bar in bars], strict=True
+        )
     ]
-    by_label = dict(zip([label.get_text() for label in breakdown.get_xticklabels()], totals))
+    by_label = dict(
+        zip([label.get_text() for label in breakdown.get_xticklabels()], totals, strict=True)
+    )
     mlp = {s.world_size: s for s in summaries if s.job == "mlp"}
     assert by_label["mlp, ddp\nworld 2\n2 nodes"] == pytest.approx(mlp[2].epoch_time_s)
     assert by_label["old, ddp\nworld 1\n1 node"] == pytest.approx(2.0)
