@@ -29,7 +29,7 @@ def brute_force_best(sizes, parts):
     best = None
     for cuts in itertools.combinations(range(1, len(sizes)), parts - 1):
         bounds = (0, *cuts, len(sizes))
-        worst = max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(sizes[a:b]) for a, b in itertools.pairwise(bounds))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -43,7 +43,7 @@ def test_balanced_split_covers_every_unit_once_with_the_smallest_largest_stage(s
     assert len(ranges) == parts
     assert ranges[0][0] == 0 and ranges[-1][1] == len(sizes)
     assert all(a < b for a, b in ranges) and all(
-        prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:])
+        prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)
     )
     assert max(sum(sizes[a:b]) for a, b in ranges) == brute_force_best(sizes, parts)
 
@@ -185,11 +185,13 @@ def invoke(*args):
         ),
         (
             [JOBS / "seed_linear.yaml", "--strategy", "pp", "--nodes", "2"],
-            "model.kind: 'linear' with hidden [] has 1 layer(s) to split, fewer than train.pipeline.stages 2",
+            "model.kind: 'linear' with hidden [] has 1 layer(s) to split, "
+            "fewer than train.pipeline.stages 2",
         ),
         (
             [JOBS / "digits_mlp.yaml", "--strategy", "pp", "--nodes", "3"],
-            "model.kind: 'mlp' with hidden [128] has 2 layer(s) to split, fewer than train.pipeline.stages 3",
+            "model.kind: 'mlp' with hidden [128] has 2 layer(s) to split, "
+            "fewer than train.pipeline.stages 3",
         ),
     ],
 )
@@ -214,11 +216,13 @@ def test_bad_pipeline_settings_exit_2_with_one_line(args, message):
         ),
         ("train:\n  pipeline: {microbatches: 4}\n", "train.pipeline: only for train.strategy pp"),
         (
-            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\n  grad_accum_steps: 2\ncluster: {nodes: 2}\n",
+            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\n  grad_accum_steps: 2\n"
+            "cluster: {nodes: 2}\n",
             "train.grad_accum_steps: 2 is not accepted with train.strategy 'pp'",
         ),
         (
-            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\ncheckpoint: {format: full}\ncluster: {nodes: 2}\n",
+            "model: {kind: mlp, hidden: [8]}\ntrain:\n  strategy: pp\n"
+            "checkpoint: {format: full}\ncluster: {nodes: 2}\n",
             "checkpoint.format: 'full' is not accepted with train.strategy 'pp'",
         ),
     ],
@@ -315,7 +319,9 @@ def test_two_stages_train_like_one_process_and_resume_from_dcp(tmp_path, monkeyp
     inputs, targets = one_batch()
     expected = []
     for _ in range(3):
-        parts = [loss_fn(model(x), y) for x, y in zip(inputs.chunk(4), targets.chunk(4))]
+        parts = [
+            loss_fn(model(x), y) for x, y in zip(inputs.chunk(4), targets.chunk(4), strict=True)
+        ]
         (torch.stack(parts).sum() / 4).backward()
         optimizer.step()
         optimizer.zero_grad()
