@@ -53,7 +53,9 @@ def reference_losses(epochs: int) -> list[float]:
         for inputs, targets in loader:
             parts = [
                 loss_fn(model(x), y)
-                for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches))
+                for x, y in zip(
+                    inputs.chunk(microbatches), targets.chunk(microbatches), strict=True
+                )
             ]
             (torch.stack(parts).sum() / microbatches).backward()
             optimizer.step()
@@ -81,7 +83,8 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
     )  # one replica
     assert history(client, run, "loss") == pytest.approx(reference_losses(EPOCHS), rel=1e-4)
 
-    # Each stage holds its own layers: rank 0 about half of what every DDP rank would hold (the whole model).
+    # Each stage holds its own layers: rank 0 about half of what every DDP rank would hold (the
+    # whole model).
     from rayapp.train.models import build_model
 
     whole = sum(p.numel() * p.element_size() for p in build_model(load_spec(JOB)).parameters())
