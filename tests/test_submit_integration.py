@@ -85,7 +85,7 @@ def test_seed_linear_on_two_nodes(workdir):
         assert run.data.metrics[key] > 0, key
     comm = [m.value for m in client.get_metric_history(run.info.run_id, "comm_time_s")]
     epoch = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
-    assert all(0 < c < e for c, e in zip(comm, epoch)), (comm, epoch)
+    assert all(0 < c < e for c, e in zip(comm, epoch, strict=True)), (comm, epoch)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert "model/model_state_dict.pt" in artifacts
 
