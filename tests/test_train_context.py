@@ -87,7 +87,9 @@ def test_clipping_bounds_the_update():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # update = -clipped gradient
     before = [p.detach().clone() for p in model.parameters()]
     one_step(ctx, model, optimizer, 100 * torch.randn(16, 4), 100 * torch.randn(16, 2))
-    change = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    change = torch.sqrt(
+        sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before, strict=True))
+    )
     assert 0 < change <= 0.01 + 1e-6
 
 
