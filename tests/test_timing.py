@@ -1,14 +1,15 @@
-"""The DDP comm clock, on a real single-rank Gloo process group in the test process.
-
-One rank is enough for what is tested here: DDP still runs its gradient all-reduce through
-Gloo, and its reducer still timestamps it. Two-rank figures come from the integration tests.
+"""Step timing without per-step device syncs: the DDP comm clock samples DDP's reducer every N
+steps and scales, and the step timer keeps each step's marks until an interval ends. On a real
+single-rank Gloo process group in the test process: DDP still runs its gradient all-reduce
+through Gloo, and its reducer still timestamps it. Two-rank figures come from the integration
+tests; the CUDA side (event pool, no sync between log points) from tests/test_timing_gpu.py.
 """
 
 from __future__ import annotations
 
 import math
 import socket
-import statistics
+import sys
 import time
 
 import pytest
@@ -17,10 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rayapp.train.timing import DdpCommClock
+from rayapp.train.timing import DdpCommClock, DeviceTimer
+
+TIMING_MODULE = sys.modules[DdpCommClock.__module__].__file__
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gloo_group():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -39,51 +42,127 @@ def _step(model: nn.Module, inputs: torch.Tensor) -> None:
     model(inputs).square().mean().backward()
 
 
-def test_counts_each_step_once_and_within_its_wall_time(gloo_group):
-    model = DistributedDataParallel(_model())
-    clock = DdpCommClock(model)
-    inputs = torch.randn(32, 64)
+class WatchedLogger:
+    """DDP's real C++ logger, passed through, noting each call made from rayapp's timing module
+    (DDP's own forward calls it too; those are not the clock's)."""
 
-    started = time.perf_counter()
-    for _ in range(5):
+    def __init__(self, real, steps: list[int]) -> None:
+        self._real, self._steps = real, steps
+        self.clock_calls: list[tuple[int, str]] = []  # (step, method)
+        self.spans_read: list[int] = []
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._real, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            result = attribute(*args, **kwargs)
+            if sys._getframe(1).f_code.co_filename == TIMING_MODULE:
+                self.clock_calls.append((self._steps[0], name))
+                if name == "_get_ddp_logging_data":
+                    self.spans_read.append(result.ints_map["backward_comm_time"])
+            return result
+
+        return call
+
+
+def _watched(every: int) -> tuple[DistributedDataParallel, DdpCommClock, WatchedLogger, list[int]]:
+    model = DistributedDataParallel(_model())
+    step = [0]
+    model.logger = WatchedLogger(model.logger, step)
+    return model, DdpCommClock(model, every=every), model.logger, step
+
+
+def test_the_clock_touches_ddps_logger_only_on_sampled_steps(gloo_group):
+    model, clock, logger, step = _watched(every=5)
+    inputs = torch.randn(32, 64)
+    for step[0] in range(1, 13):
         _step(model, inputs)
         clock.step_finished()
-        clock.step_finished()  # a second read of the same step adds nothing
-    elapsed = time.perf_counter() - started
-    five_steps = clock.take_total_s()
+    touched = sorted({at for at, _ in logger.clock_calls})
+    assert touched == [3, 5, 10]  # the early sample after DDP's bucket rebuild, then every 5th
+    assert all(clock.sampled(at) for at in touched)
+    # Each sampled step: DDP records that iteration's figures, the clock reads them once.
+    assert [name for _, name in logger.clock_calls] == [
+        "set_runtime_stats_and_log",
+        "_get_ddp_logging_data",
+    ] * 3
 
-    assert 0 < five_steps < elapsed
+
+def test_the_epochs_comm_time_is_the_mean_sample_scaled_to_its_steps(gloo_group):
+    model, clock, logger, step = _watched(every=4)
+    inputs = torch.randn(32, 64)
+    started = time.perf_counter()
+    for step[0] in range(1, 13):
+        _step(model, inputs)
+        clock.step_finished()
+    elapsed = time.perf_counter() - started
+    total = clock.take_total_s()
+
+    spans = logger.spans_read  # steps 3, 4, 8, 12: four distinct iterations
+    assert len(spans) == 4 and all(span > 0 for span in spans)
+    assert total == pytest.approx(sum(spans) / len(spans) * 12 / 1e9)
+    assert 0 < total < elapsed
     assert clock.take_total_s() == 0.0  # taking clears
 
-    # DDP recomputes the last step's figures at the next forward; they must not count again.
-    model(inputs)
-    clock.step_finished()
-    assert clock.take_total_s() == 0.0
+    # An epoch too short for a sample of its own is scaled from the latest samples.
+    for step[0] in range(13, 15):
+        _step(model, inputs)
+        clock.step_finished()
+    assert clock.take_total_s() == pytest.approx(sum(spans) / len(spans) * 2 / 1e9)
 
 
-def test_each_step_adds_its_own_span(gloo_group):
-    model = DistributedDataParallel(_model())
-    clock = DdpCommClock(model)
+def test_micro_steps_under_no_sync_are_not_counted(gloo_group):
+    model, clock, logger, step = _watched(every=100)
     inputs = torch.randn(32, 64)
-    for _ in range(2):  # the first steps rebuild DDP's buckets and run slow
-        _step(model, inputs)
-        clock.step_finished()
-    clock.take_total_s()
-    per_step = []
-    for _ in range(6):
-        _step(model, inputs)
-        clock.step_finished()
-        per_step.append(clock.take_total_s())
-    assert all(span > 0 for span in per_step)
+    for step[0] in range(1, 7):  # accumulation over 2: every other micro-step all-reduces
+        if step[0] % 2:
+            with model.no_sync():
+                _step(model, inputs)
+                clock.step_finished()
+        else:
+            _step(model, inputs)
+            clock.step_finished()
+    # Three all-reduced steps: the third (micro-step 6) is the early sample, scaled to three.
+    assert [at for at, name in logger.clock_calls if name == "_get_ddp_logging_data"] == [6]
+    assert clock.take_total_s() == pytest.approx(logger.spans_read[0] * 3 / 1e9)
 
-    for _ in range(6):
-        _step(model, inputs)
+
+def test_a_run_shorter_than_the_first_sample_reports_nan_not_zero(gloo_group):
+    model, clock, _, _ = _watched(every=50)
+    for _ in range(2):
+        _step(model, torch.randn(32, 64))
         clock.step_finished()
-    # six steps' worth (about 6x the median), not the last one only (about 1x)
-    assert clock.take_total_s() > 3 * statistics.median(per_step)
+    assert math.isnan(clock.take_total_s())
 
 
 def test_a_model_without_ddp_reports_nan():
     clock = DdpCommClock(_model())
     clock.step_finished()
     assert math.isnan(clock.take_total_s())
+
+
+def test_step_time_runs_from_the_batch_request_to_the_gradients_ready():
+    timer = DeviceTimer(torch.device("cpu"), read_every=2)
+    for _ in range(5):
+        timer.mark_step_begin()
+        time.sleep(0.01)  # waiting for the batch
+        timer.start()
+        time.sleep(0.02)  # forward and backward
+        timer.mark_ready()
+        time.sleep(0.03)  # waiting for the other ranks' gradients
+        timer.stop()
+    steps = timer.step_times_s()
+    assert len(steps) == 5
+    assert all(0.03 <= step < 0.045 for step in steps), steps
+    assert 5 * 0.05 <= timer.total_s() < 5 * 0.065
+
+
+def test_without_a_ready_mark_or_batch_request_a_step_is_its_compute():
+    timer = DeviceTimer(torch.device("cpu"), read_every=50)
+    timer.start()
+    time.sleep(0.02)
+    timer.stop()
+    (step,) = timer.step_times_s()
+    assert step == pytest.approx(timer.total_s())

@@ -48,6 +48,7 @@ from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, T
 from rayapp.train import checkpoint, collectives, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
+from rayapp.train.efficiency import EpochEfficiency
 from rayapp.train.stepping import Stepper
 from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
@@ -95,6 +96,12 @@ class TrainContext:
         )
         self._system_monitor = None
         self._first_step_logged = False
+        self._efficiency = EpochEfficiency(
+            device=device,
+            precision=self.spec.train.precision,
+            logger=logger,
+            count_flops=not self.spec.train.compile,  # FlopCounterMode and torch.compile: apart
+        )
         self._samples_before_epoch = self._samples = 0
         self._reset_epoch_clocks()
 
@@ -133,7 +140,9 @@ class TrainContext:
         """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this
         worker's device."""
         placement = apply_strategy(self.spec, model, self.device)
-        self._comm_clock = DdpCommClock(placement.model)  # NaN for strategies without DDP's reducer
+        # NaN for strategies without DDP's reducer
+        self._comm_clock = DdpCommClock(placement.model, every=self.spec.train.timing_every)
+        self._efficiency.watch(model, placement.model, lambda: self._compute_timer.mark_ready())
         if self.spec.train.compile:
             # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles
             # through.
@@ -240,6 +249,7 @@ class TrainContext:
         iterator = iter(loader)
         while True:
             self._data_timer.start()
+            self._compute_timer.mark_step_begin()
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -259,11 +269,14 @@ class TrainContext:
         gradient accumulation, a micro-step that does not end in an optimizer step skips the
         gradient all-reduce (DDP's no_sync, FSDP's requires_gradient_sync)."""
         self._compute_timer.start()
-        with self._stepper.gradient_sync(self._placement.model if self._placement else None):
+        with (
+            self._stepper.gradient_sync(self._placement.model if self._placement else None),
+            self._efficiency.counting_first_step(lambda: self._samples),
+        ):
             yield
+            if self._comm_clock is not None:  # inside: DDP's no_sync still says if it all-reduced
+                self._comm_clock.step_finished()
         self._compute_timer.stop()
-        if self._comm_clock is not None:
-            self._comm_clock.step_finished()
         if not self._first_step_logged:
             self._first_step_logged = True
             self.logger.log_metrics(
@@ -381,7 +394,7 @@ class TrainContext:
     def _reset_epoch_clocks(self) -> None:
         self._samples_before_epoch += self._samples
         self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
-        self._compute_timer = DeviceTimer(self.device)
+        self._compute_timer = DeviceTimer(self.device, self.spec.train.timing_every)
         self._samples = 0
         self._epoch_stopped: float | None = None
 
@@ -439,6 +452,14 @@ class TrainContext:
             "peak_mem_mb": peak_mem,
             "world_size": float(self.world_size),
         }
+        metrics.update(  # tflops_per_s, mfu, peak_tflops, each rank's step times
+            self._efficiency.epoch_metrics(
+                samples=self._samples,
+                step_times_s=self._compute_timer.step_times_s(),
+                epoch_time_s=epoch_time,
+                rank=self.rank,
+            )
+        )
         epoch = self._epoch
         self._history.append(metrics)
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on

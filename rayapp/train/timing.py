@@ -2,15 +2,18 @@
 
 CUDA kernels run asynchronously: a host clock read after a launch measures the launch, not the
 work, and synchronising the device to read it would stop the host from queuing the next step
-while the GPU works. So on GPUs a phase is timed with CUDA events recorded into the stream
-around it, and the events are read once, when the epoch ends (the one sync point per epoch).
-Waiting for data is a host-side phase (the loader, the copy launch) and is timed with the host
-clock, without a sync. On CPUs every phase is timed with the host clock.
+while the GPU works. So on GPUs a step's marks are CUDA events recorded into the stream, taken
+from a pool that is reused, and read only when an interval of ``train.timing_every`` steps ends
+(and at the epoch's end). The interval read is the one before the last, whose events finished
+long ago, so even that read does not wait for the device. Waiting for data is a host-side phase
+(the loader, the copy launch) and is timed with the host clock, without a sync. On CPUs every
+mark is a host clock reading.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,82 +44,205 @@ class HostTimer:
         return self._total_s
 
 
+class EventPool:
+    """CUDA timing events made once and recorded again, step after step."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.cuda.Event] = []
+        self.made = 0
+
+    def take(self) -> torch.cuda.Event:
+        if self._free:
+            return self._free.pop()
+        self.made += 1
+        return torch.cuda.Event(enable_timing=True)
+
+    def give_back(self, events: list[torch.cuda.Event]) -> None:
+        self._free.extend(events)
+
+
+Mark = float | torch.cuda.Event
+"""A moment in a step: a host clock reading on CPUs, a recorded CUDA event on GPUs."""
+
+
+@dataclass
+class _Step:
+    begin: Mark
+    compute_start: Mark
+    ready: Mark | None = None
+    end: Mark | None = None
+
+
 class DeviceTimer(HostTimer):
-    """A repeated phase of device work: CUDA events around it on GPUs, the host clock on CPUs.
+    """The steps of one epoch: the compute phase's total (forward, backward, optimizer step), and
+    each step's own time, from asking for its batch until its gradients were ready.
 
-    total_s() reads the events, which waits for the last one: call it at the epoch's end."""
+    A step's own time leaves out what the rank then waits for the slower ranks in the gradient
+    all-reduce: there every rank waits for the slowest, so whole steps take equally long on every
+    rank, and only the part before the wait tells a straggler apart. Where no gradient-ready mark
+    comes (no hooked parameter, e.g. a loop rayapp holds no model of), it runs to the compute's end.
 
-    def __init__(self, device: torch.device) -> None:
+    start()/stop() bracket the compute phase; mark_step_begin() marks the batch request and
+    mark_ready() the gradients (both optional). Marks are read every `read_every` steps and when
+    the totals are asked for (call total_s() and step_times_s() at the epoch's end)."""
+
+    def __init__(self, device: torch.device, read_every: int = 50) -> None:
         super().__init__()
         self._cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._read_every = read_every
+        self._pool = EventPool()
+        self._pending: list[_Step] = []
+        self._open: _Step | None = None
+        self._begin: Mark | None = None
+        self._compute_s = 0.0
+        self._step_times_s: list[float] = []
+
+    @property
+    def events_made(self) -> int:
+        """CUDA events this timer has made: bounded by the pool, not by the steps timed."""
+        return self._pool.made
+
+    def mark_step_begin(self) -> None:
+        """The step's batch is being asked for."""
+        self._begin = self._now()
 
     def start(self) -> None:
-        if not self._cuda:
-            return super().start()
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        self._events.append((begin, torch.cuda.Event(enable_timing=True)))
+        now = self._now()
+        begin, self._begin = self._begin, None
+        self._open = _Step(begin=now if begin is None else begin, compute_start=now)
+
+    def mark_ready(self) -> None:
+        """This step's gradients are ready (before any wait for other ranks)."""
+        if self._open is not None:
+            self._open.ready = self._now()
 
     def stop(self) -> None:
-        if not self._cuda:
-            return super().stop()
-        if self._events:
-            self._events[-1][1].record()
+        if self._open is None:
+            return
+        self._open.end = self._now()
+        self._pending.append(self._open)
+        self._open = None
+        if len(self._pending) >= 2 * self._read_every:
+            # Read the older interval only: its events finished long ago, so this does not wait.
+            self._read(self._pending[: self._read_every])
+            del self._pending[: self._read_every]
 
     def total_s(self) -> float:
+        """Seconds in the compute phase this epoch (reads every mark left: a sync on GPUs)."""
+        self._read_all()
+        return self._compute_s
+
+    def step_times_s(self) -> list[float]:
+        """Each step's own time this epoch, in order (reads every mark left: a sync on GPUs)."""
+        self._read_all()
+        return list(self._step_times_s)
+
+    def _now(self) -> Mark:
         if not self._cuda:
-            return super().total_s()
-        if self._events:
-            self._events[-1][1].synchronize()
-        return sum(begin.elapsed_time(end) for begin, end in self._events) / 1000.0
+            return time.perf_counter()
+        event = self._pool.take()
+        event.record()
+        return event
+
+    def _read_all(self) -> None:
+        if self._pending:
+            self._read(self._pending)
+            self._pending = []
+
+    def _read(self, steps: list[_Step]) -> None:
+        if self._cuda:
+            steps[-1].end.synchronize()  # type: ignore[union-attr]
+        for step in steps:
+            self._compute_s += _seconds(step.compute_start, step.end)
+            self._step_times_s.append(
+                _seconds(step.begin, step.end if step.ready is None else step.ready)
+            )
+            if self._cuda:
+                marks = {step.begin, step.compute_start, step.ready, step.end} - {None}
+                self._pool.give_back(list(marks))  # type: ignore[arg-type]
+
+
+def _seconds(start: Mark, end: Mark | None) -> float:
+    if isinstance(start, float):
+        return end - start  # type: ignore[operator]
+    return start.elapsed_time(end) / 1000.0
 
 
 class DdpCommClock:
-    """Gradient-communication time of a DDP model, per epoch, read from DDP's own reducer timer.
+    """Gradient-communication time of a DDP model, per epoch, sampled from DDP's reducer timer.
 
-    DDP's C++ reducer timestamps, in each step it samples, the launch of the first gradient
-    bucket's all-reduce and the moment the last one has finished (CUDA events on GPUs, the
-    clock on CPUs). The clock asks it to sample every step and adds up that span after each
-    step. Reading it costs a few microseconds per step; timing each bucket from a Python comm
-    hook instead replaced DDP's built-in C++ all-reduce with a Python call and a completion
-    callback per bucket, which cost about 5% of a small model's step on Gloo.
+    DDP's C++ reducer timestamps, in the iterations it samples, the launch of the first gradient
+    bucket's all-reduce and the moment the last one has finished (CUDA events on GPUs, the clock
+    on CPUs). The clock has it sample every `every`-th iteration (DDP itself always samples its
+    first ten), reads the span after its third step and every `every`-th one, and scales the mean
+    sampled span to the steps whose gradients were all-reduced. Only those reads touch DDP's
+    logger; on GPUs each is a device sync (DDP's own logging syncs at its sampled iterations too).
+    Timing each bucket from a Python comm hook instead replaced DDP's built-in C++ all-reduce with
+    a Python call and a completion callback per bucket, about 5% of a small model's step on Gloo.
 
     The interface is DDP's logging hook (`_get_ddp_logging_data`), which torch marks as a
-    prototype: where it is missing or changes shape, the clock reports NaN rather than a
-    wrong figure, and training is unaffected.
+    prototype: where it is missing or changes shape, the clock reports NaN rather than a wrong
+    figure, and training is unaffected.
     """
 
-    def __init__(self, ddp_model: nn.Module) -> None:
+    FIRST_SAMPLE = 3
+    """DDP rebuilds its buckets in its first iterations; the first sample comes after them."""
+
+    def __init__(self, ddp_model: nn.Module, every: int = 50) -> None:
+        self._ddp_model = ddp_model
         self._ddp_logger = getattr(ddp_model, "logger", None)
-        self._total_ns = 0
-        self._last_end_ns: int | None = None
+        self._every = every
+        self._synced_steps = 0  # DDP's own count: iterations whose gradients it all-reduced
+        self._last_iteration: int | None = None
+        self._spans_ns: list[int] = []  # sampled this epoch
+        self._latest_mean_ns: float | None = None  # for an epoch too short for a sample
+        self._epoch_synced_steps = 0
+        self.logger_reads = 0
         self._working = self._ddp_logger is not None
         if self._working:
             try:
-                ddp_model._set_ddp_runtime_logging_sample_rate(1)
+                ddp_model._set_ddp_runtime_logging_sample_rate(every)
             except (AttributeError, RuntimeError, ValueError):
                 self._working = False
 
+    def sampled(self, synced_step: int) -> bool:
+        """Whether the clock reads DDP's figures after the given all-reduced step (1-based)."""
+        return synced_step == self.FIRST_SAMPLE or synced_step % self._every == 0
+
     def step_finished(self) -> None:
-        """Adds the step just finished; call after backward (any time before the next forward)."""
-        if not self._working:
+        """Counts the step just finished and reads DDP's figures if it is sampled. Call after
+        backward, inside any ``no_sync()``: a micro-step that all-reduced nothing is not counted."""
+        if not self._working or not getattr(self._ddp_model, "require_backward_grad_sync", True):
             return
+        self._synced_steps += 1
+        self._epoch_synced_steps += 1
+        if not self.sampled(self._synced_steps):
+            return
+        self.logger_reads += 1
         try:
-            # DDP itself computes these figures at the start of the next forward pass; computing
-            # them now puts each step in its own epoch. The repeat at that forward recomputes the
-            # same step, which the end timestamp recognises.
+            # DDP itself records a sampled iteration's figures at the next forward pass; recording
+            # them now keeps an epoch's last sample in that epoch.
             self._ddp_logger.set_runtime_stats_and_log()
             stats = self._ddp_logger._get_ddp_logging_data().ints_map
-            end_ns, span_ns = stats["backward_comm_time_end"], stats["backward_comm_time"]
+            iteration, span_ns = stats["iteration"], stats["backward_comm_time"]
         except (AttributeError, KeyError, RuntimeError):
             self._working = False
             return
-        if end_ns and end_ns != self._last_end_ns:
-            self._total_ns += span_ns
-            self._last_end_ns = end_ns
+        if iteration != self._last_iteration:  # a stale figure (misaligned count) is not new
+            self._last_iteration = iteration
+            self._spans_ns.append(span_ns)
 
     def take_total_s(self) -> float:
-        """Seconds of gradient communication since the last call (NaN if unmeasurable); clears."""
-        total, self._total_ns = self._total_ns, 0
-        return total / 1e9 if self._working else float("nan")
+        """Estimated seconds of gradient communication since the last call (mean sampled span
+        times the all-reduced steps; NaN if unmeasurable); clears."""
+        steps, self._epoch_synced_steps = self._epoch_synced_steps, 0
+        spans, self._spans_ns = self._spans_ns, []
+        if spans:
+            self._latest_mean_ns = sum(spans) / len(spans)
+        if not self._working:
+            return float("nan")
+        if steps == 0:
+            return 0.0
+        if self._latest_mean_ns is None:
+            return float("nan")
+        return self._latest_mean_ns * steps / 1e9

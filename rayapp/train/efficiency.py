@@ -1,0 +1,122 @@
+"""Per-epoch efficiency figures that every rank contributes to: the model FLOP rate and MFU
+(model FLOPs utilisation), and each rank's step times for the straggler view.
+
+Metrics, logged with each epoch (rank 0 logs them; see README, "What lands in MLflow"):
+
+- ``tflops_per_s``: model FLOPs of all ranks together per second of the epoch (slowest rank's).
+- ``peak_tflops``: the peak of all ranks together; its source is the tag
+  ``rayapp.peak_tflops_source`` (``table:H100 SXM bf16``, ``measured:matmul``).
+- ``mfu``: tflops_per_s / peak_tflops.
+- ``rank<N>_step_time_median_s`` and ``rank<N>_step_time_p95_s``: rank N's own step times
+  (see rayapp.train.timing.DeviceTimer), median and 95th percentile over the epoch's steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayapp.tracking.logger import NullLogger
+from rayapp.tracking.run import TAG_PEAK_TFLOPS_SOURCE
+from rayapp.train.flops import Peak, device_peak
+
+
+class EpochEfficiency:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        precision: str,
+        logger: NullLogger,
+        count_flops: bool = True,
+    ) -> None:
+        self._device, self._precision, self._logger = device, precision, logger
+        self._flops_per_sample: float | None = None
+        self._flops_per_step: float | None = None  # a loop that gives rayapp no batches
+        self._count_pending = count_flops  # False: torch.compile'd models are not counted
+        self._peak: Peak | None = None
+        self._ready_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def watch(
+        self, model: nn.Module, prepared: nn.Module, on_grads_ready: Callable[[], None]
+    ) -> None:
+        """Take `model`'s own ``flops_per_sample`` (forward and backward FLOPs of one sample) if it
+        states one; call `on_grads_ready` when `prepared`'s gradients are ready in each backward.
+
+        The first parameter is (nearly always) the last to get its gradient in backward, so its
+        post-accumulate hook marks the end of the rank's own backward work, before the wait for
+        the last all-reduce; one Python call per step, no device sync."""
+        declared = getattr(model, "flops_per_sample", None)
+        if declared is not None:
+            self._flops_per_sample = float(declared)
+            self._count_pending = False
+        first = next((p for p in prepared.parameters() if p.requires_grad), None)
+        if self._ready_hook is not None:
+            self._ready_hook.remove()
+        if first is not None:
+            self._ready_hook = first.register_post_accumulate_grad_hook(lambda _: on_grads_ready())
+
+    @contextlib.contextmanager
+    def counting_first_step(self, samples_in_step: Callable[[], int]) -> Iterator[None]:
+        """Around a step: the first one's FLOPs are counted (FlopCounterMode); later ones pass."""
+        if not self._count_pending:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._count_pending = False
+        with FlopCounterMode(display=False) as counter:
+            yield
+        flops, samples = counter.get_total_flops(), samples_in_step()
+        if samples > 0:
+            self._flops_per_sample = flops / samples
+        else:
+            self._flops_per_step = float(flops)
+
+    def epoch_metrics(
+        self, *, samples: int, step_times_s: list[float], epoch_time_s: float, rank: int
+    ) -> dict[str, float]:
+        """The epoch's figures (collectives: every rank calls this at the epoch's end)."""
+        if self._peak is None:  # once per attempt, on every rank at the same moment
+            self._peak = device_peak(self._device, self._precision)
+            if rank == 0:
+                self._logger.set_tags({TAG_PEAK_TFLOPS_SOURCE: self._peak.source})
+        if self._flops_per_sample is not None:
+            flops = self._flops_per_sample * samples
+        elif self._flops_per_step is not None:
+            flops = self._flops_per_step * len(step_times_s)
+        else:
+            flops = math.nan
+        total = torch.tensor([flops, self._peak.tflops], dtype=torch.float64, device=self._device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        all_flops, peak_tflops = total.tolist()
+        tflops = all_flops / epoch_time_s / 1e12 if epoch_time_s > 0 else math.nan
+        metrics = {"tflops_per_s": tflops, "peak_tflops": peak_tflops, "mfu": tflops / peak_tflops}
+        for other, (median, p95) in enumerate(gather_step_time_stats(step_times_s, self._device)):
+            metrics[f"rank{other}_step_time_median_s"] = median
+            metrics[f"rank{other}_step_time_p95_s"] = p95
+        return metrics
+
+
+def step_time_stats(step_times_s: list[float]) -> tuple[float, float]:
+    """Median and 95th percentile (linear between the nearest steps); NaN for no steps."""
+    if not step_times_s:
+        return math.nan, math.nan
+    if len(step_times_s) == 1:
+        return step_times_s[0], step_times_s[0]
+    p95 = statistics.quantiles(step_times_s, n=20, method="inclusive")[18]
+    return statistics.median(step_times_s), p95
+
+
+def gather_step_time_stats(step_times_s: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's (median, p95), in rank order (a collective)."""
+    mine = torch.tensor(step_time_stats(step_times_s), dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [tensor.tolist() for tensor in gathered]
