@@ -129,8 +129,8 @@ def _fingerprint() -> dict[str, list]:
 
     files = sorted(str(path) for path in Path(rayapp.__file__).parent.rglob("*.py"))
     for name in {name.split(".")[0] for name in PRELOAD}:
-        files.append(sys.modules[name].__file__)
-    stamps = {}
+        files.append(str(sys.modules[name].__file__))
+    stamps: dict[str, list] = {}
     for path in files:
         with contextlib.suppress(OSError):
             status = os.stat(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -188,7 +189,7 @@ def up(
             address=cluster.address,
             _node_ip_address=cluster.head_ip,
             log_to_driver=False,
-            logging_level="ERROR",
+            logging_level=logging.ERROR,
         )
         try:
             cluster.wait_for_nodes()
