@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import csv
 import io
-import ipaddress
 import json
 import math
-import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rayapp.errors import RayappError
+from rayapp.reports.run_figures import cpu_by_node, efficiency, stragglers, time_breakdown
 from rayapp.reports.tables import epoch_values, steady_median
 from rayapp.spec.cluster import size_label
 
@@ -77,6 +76,19 @@ class RunSummary:
     cpu_percent_by_node: dict[str, float] = field(default_factory=dict)
     """Mean of each node's system/<ip>/cpu_utilization_percentage samples (psutil's whole-machine
     figure, 100 = every core busy), by node IP in address order."""
+    tflops_per_s: float = math.nan
+    """Median steady model FLOP rate of all ranks together (TFLOP/s)."""
+    mfu: float = math.nan
+    """Median steady model FLOPs utilisation: tflops_per_s over the ranks' peak."""
+    peak_tflops: float = math.nan
+    peak_source: str = ""
+    """Where the peak came from (tag rayapp.peak_tflops_source): table:<GPU> <precision>, or
+    measured:matmul."""
+    step_time_spread: float = math.nan
+    """The slowest rank's median step time over the median rank's (1.0: all ranks alike)."""
+    slowest_rank: int | None = None
+    slowest_node: str = ""
+    """The node (IP) the slowest rank ran on."""
     min_nodes: int | None = None
     """An elastic run's fewest nodes (``nodes`` is then its most); None for a fixed size."""
     min_world_size: int | None = None
@@ -88,6 +100,14 @@ class RunSummary:
     @property
     def nodes_label(self) -> str:
         return size_label(self.min_nodes, self.nodes)
+
+    @property
+    def straggler(self) -> str:
+        """``1.42x rank 1 @ 127.0.0.3``: the step-time spread and the slowest rank's place."""
+        if self.slowest_rank is None or math.isnan(self.step_time_spread):
+            return "-"
+        where = f" @ {self.slowest_node}" if self.slowest_node else ""
+        return f"{self.step_time_spread:.2f}x rank {self.slowest_rank}{where}"
 
     @property
     def world_label(self) -> str:
@@ -117,70 +137,6 @@ class RunSummary:
             "other": self.other_s,
         }
         return {name: 0.0 if math.isnan(value) else value for name, value in parts.items()}
-
-
-def _steady_history(
-    client: MlflowClient, run_id: str, key: str, steady_steps: set[int]
-) -> dict[int, float]:
-    """A per-epoch metric's finite values at the steady epochs, by epoch (NaN marks 'not
-    measured')."""
-    return {
-        m.step: m.value
-        for m in client.get_metric_history(run_id, key)
-        if m.step in steady_steps and math.isfinite(m.value)
-    }
-
-
-def _median_or_nan(values: Iterable[float]) -> float:
-    values = list(values)
-    return statistics.median(values) if values else math.nan
-
-
-def time_breakdown(client: MlflowClient, run_id: str, epoch_time_s: float) -> dict[str, float]:
-    """compute_s, comm_s, data_s and other_s of the median steady epoch (see RunSummary)."""
-    epochs = sorted(m.step for m in client.get_metric_history(run_id, "epoch_time_s"))
-    steady = set(
-        epochs[1:] if len(epochs) > 1 else epochs
-    )  # the same warm-up rule as steady_median
-    compute = _steady_history(client, run_id, "compute_time_s", steady)
-    comm = _steady_history(client, run_id, "comm_time_s", steady)
-    data = _steady_history(client, run_id, "data_time_s", steady)
-    # compute_time_s spans forward, backward and step, so it holds the all-reduce that backward does
-    # not hide; take comm out per epoch so the bar does not count it twice.
-    compute_only = _median_or_nan(
-        max(value - comm.get(step, 0.0), 0.0) for step, value in compute.items()
-    )
-    parts = {
-        "compute_s": compute_only,
-        "comm_s": _median_or_nan(comm.values()),
-        "data_s": _median_or_nan(data.values()),
-    }
-    timed = sum(value for value in parts.values() if not math.isnan(value))
-    return {**parts, "other_s": max(epoch_time_s - timed, 0.0)}
-
-
-def _address_order(node: str) -> tuple[int, Any]:
-    try:
-        return (0, ipaddress.ip_address(node))
-    except ValueError:  # a node named otherwise (a hostname): after the addresses, by name
-        return (1, node)
-
-
-def cpu_by_node(client: MlflowClient, run: Run) -> dict[str, float]:
-    """Mean CPU utilisation of each node over the run, from the system metrics its sampler
-    logged."""
-    prefix, suffix = "system/", "/cpu_utilization_percentage"
-    nodes = [
-        key[len(prefix) : -len(suffix)]
-        for key in run.data.metrics
-        if key.startswith(prefix) and key.endswith(suffix)
-    ]
-    means = {}
-    for node in sorted(nodes, key=_address_order):
-        history = client.get_metric_history(run.info.run_id, f"{prefix}{node}{suffix}")
-        values = [m.value for m in history if math.isfinite(m.value)]
-        means[node] = statistics.fmean(values) if values else math.nan
-    return means
 
 
 def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
@@ -226,6 +182,8 @@ def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
         startup_workers_s=metrics.get("startup_workers_s", math.nan),
         time_to_first_step_s=metrics.get("time_to_first_step_s", math.nan),
         cpu_percent_by_node=cpu_by_node(client, run),
+        **efficiency(client, run),
+        **stragglers(client, run),
     )
 
 
@@ -320,13 +278,26 @@ COLUMNS = [
     ("comm_share", "comm share", "{:.0%}"),
     ("peak_mem_mb", "peak MB", "{:,.0f}"),
     ("param_mb_per_rank", "param MB/rank", "{:,.2f}"),
+    ("tflops_per_s", "TFLOP/s", "{:.3g}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("straggler", "slowest rank", "{}"),
     ("startup_cluster_s", "cluster up s", "{:.1f}"),
     ("startup_workers_s", "workers up s", "{:.1f}"),
     ("time_to_first_step_s", "first step s", "{:.1f}"),
     ("cpu_percent_by_node", "cpu % per node", "{:.0f}"),
     ("run_id", "run", "{:.12}"),
 ]
-CSV_ONLY = ["compute_s", "comm_s", "data_s", "other_s"]
+CSV_ONLY = [
+    "compute_s",
+    "comm_s",
+    "data_s",
+    "other_s",
+    "peak_tflops",
+    "peak_source",
+    "step_time_spread",
+    "slowest_rank",
+    "slowest_node",
+]
 """The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the
 plot."""
 
@@ -376,7 +347,10 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
     table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=caption)
     for _, title, f in COLUMNS:
         table.add_column(
-            title, justify="left" if f == "{}" or title in ("run", "cpu % per node") else "right"
+            title,
+            justify="left"
+            if f == "{}" or title in ("run", "cpu % per node", "slowest rank")
+            else "right",
         )
     for row in rows:
         table.add_row(*row)
@@ -395,7 +369,10 @@ CAPTION = (
     "efficiency = throughput_N / (N/N_min x throughput_min). "
     "cluster up s: submission to cluster up; workers up s: cluster up to every worker started; "
     "first step s: submission to the first step done. "
-    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy)."
+    "cpu % per node: the node's machine over the run, mean (100 = all its cores busy). "
+    "MFU: TFLOP/s over the ranks' peak (GPU datasheet, else a measured matmul; see peak_source). "
+    "slowest rank: its median step time (batch request to gradients ready) over the median "
+    "rank's, and its node."
 )
 ELASTIC_CAPTION = (
     " nodes MIN:MAX: an elastic run, "
