@@ -1,5 +1,5 @@
-"""The job spec: frozen, validated dataclasses, their registries, and the loader that builds them
-from defaults < job YAML < command-line flags. Imports nothing else of rayapp."""
+"""The job spec: frozen dataclasses validated by pydantic, their registries, and the loader that
+builds them from defaults < job YAML < command-line flags. Imports nothing else of rayapp."""
 
 from rayapp.spec.catalog import DATASETS, LOSSES, MODELS, OPTIMIZERS, STRATEGIES
 from rayapp.spec.cluster import BACKENDS, ClusterSpec

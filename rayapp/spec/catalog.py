@@ -4,9 +4,19 @@ Strategy pp's own options (``train.pipeline``) are in :mod:`rayapp.spec.pipeline
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from rayapp.spec.registry import Registry
 
-MODELS = Registry("model.kind")
+# The names each field accepts, as types: what validation, `rayapp schema` and the CLI's choices
+# read. Each registry below holds the builder of every one of them.
+ModelKind = Literal["linear", "mlp"]
+DataKind = Literal["random", "synthetic", "digits"]
+LossName = Literal["mse", "cross_entropy"]
+OptimizerName = Literal["sgd", "adam", "adamw"]
+StrategyName = Literal["ddp", "fsdp", "dp", "mp", "pp"]
+
+MODELS = Registry("model.kind", get_args(ModelKind))
 MODELS.register(
     "linear",
     "rayapp.train.models:build_linear",
@@ -20,7 +30,7 @@ MODELS.register(
     hidden="required",
 )
 
-DATASETS = Registry("data.kind")
+DATASETS = Registry("data.kind", get_args(DataKind))
 DATASETS.register(
     "random",
     "rayapp.train.data:random_regression",
@@ -50,18 +60,18 @@ DATASETS.register(
     train_samples=DIGITS_TOTAL_SAMPLES - DIGITS_TEST_SAMPLES,
 )
 
-LOSSES = Registry("train.loss")
+LOSSES = Registry("train.loss", get_args(LossName))
 LOSSES.register("mse", "torch.nn:MSELoss", "mean squared error (regression)")
 LOSSES.register(
     "cross_entropy", "torch.nn:CrossEntropyLoss", "cross entropy over class logits (classification)"
 )
 
-OPTIMIZERS = Registry("train.optimizer")
+OPTIMIZERS = Registry("train.optimizer", get_args(OptimizerName))
 OPTIMIZERS.register("sgd", "torch.optim:SGD")
 OPTIMIZERS.register("adam", "torch.optim:Adam")
 OPTIMIZERS.register("adamw", "torch.optim:AdamW")
 
-STRATEGIES = Registry("train.strategy")
+STRATEGIES = Registry("train.strategy", get_args(StrategyName))
 STRATEGIES.register(
     "ddp", "rayapp.train.strategies:apply_ddp", "DistributedDataParallel: one replica per worker"
 )
@@ -88,7 +98,8 @@ STRATEGIES.register(
 STRATEGIES.register(
     "pp",
     "rayapp.train.pipeline:apply_pp",
-    "pipeline parallelism: the model's layers in stages, one per worker, fed micro-batches (train.pipeline)",
+    "pipeline parallelism: the model's layers in stages, one per worker, fed micro-batches "
+    "(train.pipeline)",
     # Settings pp cannot honour: (what it accepts, why).
     only_with={
         "train.loop": ((None,), "it runs rayapp's built-in loop"),

@@ -3,114 +3,116 @@ the torch.distributed backend, the cluster's address and checkpoint storage."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
-from rayapp.spec.checks import check_one_of, check_positive_int
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass
+
 from rayapp.spec.errors import SpecError
+from rayapp.spec.fields import (
+    SECTION_CONFIG,
+    NonBlank,
+    Number,
+    WholeNumber,
+    given_fields,
+    section,
+    with_fields,
+)
 
-BACKENDS = ("auto", "nccl", "gloo", "mpi")
+Backend = Literal["auto", "nccl", "gloo", "mpi"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+
+def _count_or_range(schema: dict[str, Any]) -> None:
+    """cluster.nodes in a job file: a whole number, or MIN:MAX text (split before validation)."""
+    count = {"type": schema.pop("type"), "minimum": schema.pop("minimum")}
+    schema["anyOf"] = [count, {"type": "string", "format": "node-range", "pattern": r"^\d+:\d+$"}]
 
 
 def size_label(low: int | None, high: int) -> str:
-    """A size as rayapp logs it (the `nodes` and `world_size` params): ``2``, or an elastic ``1:2``."""
+    """A size as rayapp logs it (the `nodes` and `world_size` params): ``2``, or elastic ``1:2``."""
     return str(high) if low is None else f"{low}:{high}"
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("cluster")
+@dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class ClusterSpec:
-    nodes: int = 1
-    """Ray nodes the workers are spread over (embedded: raylets started on this machine).
-    ``"MIN:MAX"`` (quoted in YAML, or ``--nodes 1:2``) is shorthand for ``min_nodes: MIN, nodes: MAX``."""
-    min_nodes: int | None = None
-    """Elastic training (Ray Train's elastic ScalingConfig): training starts, and goes on after a
-    node is lost, with as few as this many nodes, and grows back to ``nodes`` as nodes return.
-    None: exactly ``nodes``."""
-    resize_interval_s: float = 60.0
-    """Elastic only: seconds between Ray Train's checks for returned nodes to grow onto (each
-    growth restarts the workers from the last checkpoint)."""
-    workers_per_node: int = 1
-    backend: str = "auto"
-    """torch.distributed backend; `auto` picks nccl on GPUs and gloo on CPUs."""
-    cpus_per_worker: int = 1
-    address: str | None = None
-    """Existing Ray cluster (`ray://`, `HOST:PORT`, or a Jobs API `http://HOST:8265`); none: embedded cluster."""
-    storage_path: str = "rayapp_results"
-    """Where Ray Train keeps checkpoints; must be shared storage (NFS, s3://, gs://) on a real cluster."""
-    max_failures: int = 0
-    """Worker failures Ray Train recovers from (restarting from the last checkpoint)."""
-    working_dir: str | None = None
-    """Directory shipped to every worker (Ray runtime_env working_dir) so they import your code
-    from it; none: the job file's directory when the job names your code, else nothing."""
+    nodes: WholeNumber = Field(
+        1,
+        ge=1,
+        description="Ray nodes to spread workers over; MIN:MAX (e.g. 1:2, quoted or not) for "
+        "elastic training, short for min_nodes: MIN, nodes: MAX.",
+        json_schema_extra=_count_or_range,
+    )
+    min_nodes: WholeNumber | None = Field(
+        None,
+        ge=1,
+        description="Elastic training: train with as few as this many nodes (also after one is "
+        "lost) and grow back to `nodes` as nodes return; none: exactly `nodes`.",
+    )
+    resize_interval_s: Number = Field(
+        60.0,
+        gt=0,
+        description="Elastic only: seconds between checks for returned nodes to grow onto (each "
+        "growth restarts the workers from the last checkpoint).",
+    )
+    workers_per_node: WholeNumber = Field(1, ge=1, description="Training workers on each node.")
+    backend: Backend = Field(
+        "auto", description="torch.distributed backend; auto: nccl on GPUs, gloo on CPUs."
+    )
+    cpus_per_worker: WholeNumber = Field(1, ge=1, description="CPUs reserved per worker.")
+    address: NonBlank | None = Field(
+        None,
+        description="Existing Ray cluster: HOST:PORT or 'auto' to run here, http://HEAD:8265 to "
+        "submit through the Ray Jobs API; none starts an embedded one.",
+        examples=["HOST:PORT, ray://HOST:10001 or http://HOST:8265"],
+    )
+    storage_path: NonBlank = Field(
+        "rayapp_results",
+        description="Checkpoint storage (default $RAYAPP_STORAGE_PATH, else rayapp_results); "
+        "shared storage (NFS, s3://, gs://) on real clusters.",
+    )
+    max_failures: WholeNumber = Field(
+        0, ge=0, description="Worker failures to recover from, restarting from the last checkpoint."
+    )
+    working_dir: NonBlank | None = Field(
+        None,
+        description="Directory of your code, shipped to every worker; default: the job file's "
+        "directory when the job names your code.",
+    )
 
-    def __post_init__(self) -> None:
-        self._split_node_range()
-        check_positive_int("cluster.nodes", self.nodes)
-        if self.min_nodes is not None:
-            check_positive_int("cluster.min_nodes", self.min_nodes)
-            if self.min_nodes > self.nodes:
-                raise SpecError(
-                    f"cluster.min_nodes: {self.min_nodes} is more than cluster.nodes {self.nodes}; "
-                    f"use --nodes MIN:MAX with MIN <= MAX, e.g. 1:{self.nodes}"
-                )
-            if self.min_nodes == self.nodes:
-                object.__setattr__(self, "min_nodes", None)  # N:N is a fixed size
-        if (
-            isinstance(self.resize_interval_s, bool)
-            or not isinstance(self.resize_interval_s, (int, float))
-            or not self.resize_interval_s > 0
-        ):
-            raise SpecError(
-                f"cluster.resize_interval_s: {self.resize_interval_s!r} is not accepted; use seconds > 0"
-            )
-        check_positive_int("cluster.workers_per_node", self.workers_per_node)
-        check_positive_int("cluster.cpus_per_worker", self.cpus_per_worker)
-        check_one_of("cluster.backend", self.backend, BACKENDS)
-        if (
-            isinstance(self.max_failures, bool)
-            or not isinstance(self.max_failures, int)
-            or self.max_failures < 0
-        ):
-            raise SpecError(
-                f"cluster.max_failures: {self.max_failures!r} is not accepted; use a whole number >= 0"
-            )
-        if not isinstance(self.storage_path, str) or not self.storage_path:
-            raise SpecError(
-                f"cluster.storage_path: {self.storage_path!r} is not accepted; use a directory or URI"
-            )
-        if self.working_dir is not None and (
-            not isinstance(self.working_dir, str) or not self.working_dir.strip()
-        ):
-            raise SpecError(
-                f"cluster.working_dir: {self.working_dir!r} is not accepted; use a directory path"
-            )
-        if self.address is not None and (
-            not isinstance(self.address, str) or not self.address.strip()
-        ):
-            raise SpecError(
-                f"cluster.address: {self.address!r} is not accepted; use HOST:PORT, ray://HOST:10001 or http://HOST:8265"
-            )
+    @model_validator(mode="before")
+    @classmethod
+    def _split_node_range(cls, data: Any) -> Any:
+        """``nodes: "1:2"`` (or ``--nodes 1:2``, or ``"2"`` from the command line) into whole
+        numbers; N:N is a fixed size. Text that is neither is left for validation to reject."""
+        fields = given_fields(data)
+        if fields is None:
+            return data
+        nodes, min_nodes = fields.get("nodes"), fields.get("min_nodes")
+        if isinstance(nodes, str):
+            low, sep, high = nodes.strip().partition(":")
+            if not sep and low.lstrip("-").isdigit():
+                fields["nodes"] = int(low)
+            elif sep and low.isdigit() and high.isdigit():
+                if min_nodes is not None:
+                    raise SpecError(
+                        f"cluster.nodes: {nodes!r} gives a minimum and so does cluster.min_nodes "
+                        f"({min_nodes}); use one of them"
+                    )
+                fields["nodes"], fields["min_nodes"] = int(high), int(low)
+        if type(fields.get("min_nodes")) is int and fields.get("min_nodes") == fields.get("nodes"):
+            fields["min_nodes"] = None
+        return with_fields(data, fields)
 
-    def _split_node_range(self) -> None:
-        """``nodes: "1:2"`` (or ``--nodes 1:2``, or ``"2"`` from the command line) into whole numbers."""
-        if not isinstance(self.nodes, str):
-            return
-        text = self.nodes.strip()
-        low, sep, high = text.partition(":")
-        if not sep and text.lstrip("-").isdigit():  # a whole number, checked as one below
-            object.__setattr__(self, "nodes", int(text))
-            return
-        if not (sep and low.isdigit() and high.isdigit()):
+    @model_validator(mode="after")
+    def _range_is_ordered(self) -> ClusterSpec:
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise SpecError(
-                f"cluster.nodes: {self.nodes!r} is not accepted; use a whole number >= 1, "
-                "or MIN:MAX (e.g. 1:2) for elastic training"
+                f"cluster.min_nodes: {self.min_nodes} is more than cluster.nodes {self.nodes}; "
+                f"use --nodes MIN:MAX with MIN <= MAX, e.g. 1:{self.nodes}"
             )
-        if self.min_nodes is not None:
-            raise SpecError(
-                f"cluster.nodes: {self.nodes!r} gives a minimum and so does cluster.min_nodes "
-                f"({self.min_nodes}); use one of them"
-            )
-        object.__setattr__(self, "nodes", int(high))
-        object.__setattr__(self, "min_nodes", int(low))
+        return self
 
     @property
     def elastic(self) -> bool:
@@ -118,7 +120,7 @@ class ClusterSpec:
 
     @property
     def nodes_label(self) -> str:
-        """``2``, or ``1:2`` for an elastic run: as the run's `nodes` param and `compare` show it."""
+        """``2``, or ``1:2`` when elastic, as the run's `nodes` param and `compare` show it."""
         return size_label(self.min_nodes, self.nodes)
 
     @property
@@ -138,8 +140,6 @@ class ClusterSpec:
     def failures_allowed(self) -> int:
         """Ray Train's failure budget. Elastic runs lose a node as a worker-group failure and then
         go on with fewer: at least one failure for each node above the minimum."""
-        return (
-            max(self.max_failures, self.nodes - self.min_nodes)
-            if self.elastic
-            else self.max_failures
-        )
+        if self.min_nodes is None:
+            return self.max_failures
+        return max(self.max_failures, self.nodes - self.min_nodes)

@@ -1,9 +1,11 @@
-"""Command-line overrides of the job spec, declared once.
+"""Command-line overrides of the job spec: which fields have a flag, and under what name.
 
-Each row names a flag, the spec field it overrides, its type and its help. The CLI turns rows into
-Click options (:mod:`rayapp.cli.flags`) and :func:`overrides_from_flags` turns parsed flags back
-into the ``section.field`` overrides :func:`rayapp.spec.loader.build_spec` takes, so a flag cannot
-be declared in one place and mapped in another.
+Everything else about a flag comes from its field, declared once in the spec: the type its text
+is read as, the choices of a ``Literal`` field, and the help (the field's description, as
+``rayapp schema`` shows it). The CLI turns these rows into Click options (:mod:`rayapp.cli.flags`)
+and :func:`overrides_from_flags` turns parsed flags back into the ``section.field`` overrides
+:func:`rayapp.spec.loader.build_spec` takes, so a flag cannot be declared in one place and
+mapped in another.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rayapp.spec.catalog import STRATEGIES
-from rayapp.spec.cluster import BACKENDS
-from rayapp.spec.job import PRECISIONS, SCALINGS
-from rayapp.spec.pipeline import SCHEDULES
+from rayapp.spec.loader import job_schema
+from rayapp.spec.messages import Schema, field_schema
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,15 @@ class Override:
     field: str
     """The spec field it overrides, ``section.name``."""
     type: type
+    """What the flag's text is read as: int, float, str, or bool (an on/off flag pair)."""
     help: str
+    choices: tuple[str, ...] = ()
+    """A ``Literal`` field's values."""
+    metavar: str | None = None
 
     @property
     def dest(self) -> str:
-        """The keyword Click passes the value as (``--workers-per-node`` -> ``workers_per_node``)."""
+        """Click's keyword for the value (``--workers-per-node`` -> ``workers_per_node``)."""
         return self.flag.lstrip("-").replace("-", "_")
 
     @property
@@ -37,120 +41,68 @@ class Override:
         return f"{self.help} [{self.field}]"
 
 
-def _choices(names: tuple[str, ...]) -> str:
-    return "|".join(names)
-
-
-OVERRIDES: tuple[Override, ...] = (
-    Override(
-        "--nodes",
-        "cluster.nodes",
-        str,
-        "Ray nodes to spread workers over; MIN:MAX (e.g. 1:2) for elastic training.",
-    ),
-    Override(
-        "--workers-per-node", "cluster.workers_per_node", int, "Training workers on each node."
-    ),
-    Override(
-        "--backend",
-        "cluster.backend",
-        str,
-        f"torch.distributed backend: {_choices(BACKENDS)}; auto = nccl on GPUs, gloo on CPUs.",
-    ),
-    Override(
-        "--strategy", "train.strategy", str, f"Parallel strategy: {_choices(STRATEGIES.names())}."
-    ),
-    Override(
-        "--pp-stages",
-        "train.pipeline.stages",
-        int,
-        "Strategy pp: pipeline stages, one per worker (default: the world size).",
-    ),
-    Override(
-        "--microbatches",
-        "train.pipeline.microbatches",
-        int,
-        "Strategy pp: micro-batches each batch is split into (>= stages keeps the bubble small).",
-    ),
-    Override(
-        "--pp-schedule",
-        "train.pipeline.schedule",
-        str,
-        f"Strategy pp: schedule, {_choices(SCHEDULES)}.",
-    ),
-    Override("--scaling", "train.scaling", str, f"{_choices(SCALINGS)} scaling."),
-    Override("--epochs", "train.epochs", int, "Epochs to train."),
-    Override("--batch-size", "train.batch_size", int, "Per-worker batch, weak scaling."),
-    Override(
-        "--global-batch-size", "train.global_batch_size", int, "Global batch, strong scaling."
-    ),
-    Override("--lr", "train.lr", float, "Learning rate."),
-    Override("--seed", "train.seed", int, "Seed for data, weights and shuffling."),
-    Override("--experiment", "tracking.experiment", str, "MLflow experiment name."),
-    Override(
-        "--tracking-uri",
-        "tracking.tracking_uri",
-        str,
-        "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.",
-    ),
-    Override(
-        "--address",
-        "cluster.address",
-        str,
-        "Existing Ray cluster: HOST:PORT or 'auto' to run here, http://HEAD:8265 to submit through the "
-        "Ray Jobs API; none starts an embedded one.",
-    ),
-    Override(
-        "--storage-path",
-        "cluster.storage_path",
-        str,
-        "Checkpoint storage, shared on real clusters.",
-    ),
-    Override("--max-failures", "cluster.max_failures", int, "Worker failures to recover from."),
-    Override("--cpus-per-worker", "cluster.cpus_per_worker", int, "CPUs reserved per worker."),
-    Override(
-        "--precision",
-        "train.precision",
-        str,
-        f"{_choices(PRECISIONS)}; bf16/fp16 train in mixed precision.",
-    ),
-    Override(
-        "--compile", "train.compile", bool, "torch.compile the model (after the strategy wraps it)."
-    ),
-    Override(
-        "--checkpoint-every",
-        "checkpoint.every_epochs",
-        int,
-        "Checkpoint after every K-th epoch (and always after the last).",
-    ),
-    Override(
-        "--log-every-steps", "tracking.log_every_steps", int, "Log step_loss every N steps; 0: off."
-    ),
-    Override(
-        "--system-metrics-interval",
-        "tracking.system_metrics_s",
-        float,
-        "Seconds between per-node CPU/memory/network/GPU samples; 0: off.",
-    ),
-    Override(
-        "--working-dir",
-        "cluster.working_dir",
-        str,
-        "Directory of your code, shipped to every worker; default: the job file's directory.",
-    ),
-    Override(
-        "--script",
-        "train.script",
-        str,
-        "Run this torchrun-style script on every worker instead of a loop; its arguments follow --.",
-    ),
+FLAGS: tuple[tuple[str, str], ...] = (
+    ("--nodes", "cluster.nodes"),
+    ("--workers-per-node", "cluster.workers_per_node"),
+    ("--backend", "cluster.backend"),
+    ("--strategy", "train.strategy"),
+    ("--pp-stages", "train.pipeline.stages"),
+    ("--microbatches", "train.pipeline.microbatches"),
+    ("--pp-schedule", "train.pipeline.schedule"),
+    ("--scaling", "train.scaling"),
+    ("--epochs", "train.epochs"),
+    ("--batch-size", "train.batch_size"),
+    ("--global-batch-size", "train.global_batch_size"),
+    ("--lr", "train.lr"),
+    ("--seed", "train.seed"),
+    ("--experiment", "tracking.experiment"),
+    ("--tracking-uri", "tracking.tracking_uri"),
+    ("--address", "cluster.address"),
+    ("--storage-path", "cluster.storage_path"),
+    ("--max-failures", "cluster.max_failures"),
+    ("--cpus-per-worker", "cluster.cpus_per_worker"),
+    ("--precision", "train.precision"),
+    ("--compile", "train.compile"),
+    ("--checkpoint-every", "checkpoint.every_epochs"),
+    ("--log-every-steps", "tracking.log_every_steps"),
+    ("--system-metrics-interval", "tracking.system_metrics_s"),
+    ("--working-dir", "cluster.working_dir"),
+    ("--script", "train.script"),
 )
+"""Flag and field, in the order `--help` lists them."""
+METAVARS = {"--nodes": "N|MIN:MAX"}
+_TYPES: dict[str, type] = {"boolean": bool, "integer": int, "number": float}
+
+
+def _override(flag: str, field: str, root: Schema) -> Override:
+    schema = field_schema(root, field)
+    members = [m for m in schema.get("anyOf", [schema]) if m.get("type") != "null"]
+    kinds = [_TYPES.get(m.get("type", ""), str) for m in members]
+    value_type = next((kind for kind in (bool, int, float) if kind in kinds), str)
+    choices = tuple(str(v) for m in members for v in m.get("enum", ()))
+    return Override(
+        flag,
+        field,
+        value_type,
+        schema.get("description", ""),
+        choices=choices if all("enum" in m for m in members) else (),
+        metavar=METAVARS.get(flag),
+    )
+
+
+def _overrides() -> tuple[Override, ...]:
+    root = job_schema()
+    return tuple(_override(flag, field, root) for flag, field in FLAGS)
+
+
+OVERRIDES: tuple[Override, ...] = _overrides()
 BY_FLAG: Mapping[str, Override] = {row.flag: row for row in OVERRIDES}
 BY_DEST: Mapping[str, Override] = {row.dest: row for row in OVERRIDES}
 
 
 def overrides_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Parsed flags (Click's keyword names) -> ``{"section.field": value}``; other keys are ignored."""
+    """Parsed flags (Click's keyword names) -> ``{"section.field": value}``; other keys are
+    ignored."""
     return {BY_DEST[name].field: value for name, value in flags.items() if name in BY_DEST}
 
 

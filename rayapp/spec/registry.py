@@ -27,16 +27,22 @@ class Entry:
 
 
 class Registry:
-    """Names a spec field accepts, in the order they were registered."""
+    """The builders for the names a spec field accepts. The names are the field's ``Literal``
+    type (what validation, the JSON Schema and the CLI's choices read); a name registered here
+    must be one of them."""
 
-    def __init__(self, field_name: str) -> None:
+    def __init__(self, field_name: str, accepted: tuple[str, ...]) -> None:
         self.field_name = field_name
+        self.accepted = accepted
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, target: str, summary: str = "", **meta: Any) -> Entry:
+        if name not in self.accepted:
+            raise ValueError(f"{self.field_name}: {name!r} is not among {self.accepted}")
         if name in self._entries:
             raise ValueError(
-                f"{self.field_name}: {name!r} is registered already (as {self._entries[name].target})"
+                f"{self.field_name}: {name!r} is registered already (as "
+                f"{self._entries[name].target})"
             )
         entry = Entry(name=name, target=target, summary=summary, meta=MappingProxyType(dict(meta)))
         self._entries[name] = entry
@@ -50,11 +56,9 @@ class Registry:
 
     def get(self, name: str) -> Entry:
         """The entry for `name`, or a one-line SpecError listing what is accepted."""
-        self.check(name)
-        return self._entries[name]
-
-    def check(self, value: object, field_name: str | None = None) -> None:
-        if not isinstance(value, str) or value not in self._entries:
+        if name not in self._entries:
             raise SpecError(
-                f"{field_name or self.field_name}: {value!r} is not accepted; use one of: {', '.join(self._entries)}"
+                f"{self.field_name}: {name!r} is not accepted; use one of: "
+                f"{', '.join(self._entries)}"
             )
+        return self._entries[name]

@@ -1,0 +1,126 @@
+"""pydantic's ValidationError as rayapp's one-line SpecError: the key as a dotted path
+(``train.lr``, ``model.hidden[1]``), the bad value, and what is accepted, told from the same JSON
+Schema that ``rayapp schema`` prints, so a field's rules are written once."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
+
+from rayapp.spec.errors import SpecError
+
+Schema = dict[str, Any]
+
+FORMATS = {
+    "import-path": "an import path module:function",
+    "node-range": "MIN:MAX (e.g. 1:2) for elastic training",
+}
+"""What the custom ``format`` of a string field accepts, in words."""
+_UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden", "invalid_key")
+
+
+@functools.cache
+def _schema(cls: type) -> Schema:
+    schema: Schema = TypeAdapter(cls).json_schema()
+    return schema
+
+
+def spec_error(exc: ValidationError, cls: type, path: str = "") -> SpecError:
+    """The first of `exc`'s errors, raised validating `cls` (the job's section at `path`)."""
+    error = exc.errors()[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, SpecError):  # a rule across fields says it in its own words
+        return SpecError(str(cause))
+    root = _schema(cls)
+    start = tuple(path.split(".")) if path else ()
+    loc = error["loc"]
+    if error["type"] in _UNKNOWN_KEY:
+        return _unknown_key(root, start, loc, error)
+    key, field = _walk(root, start, loc)
+    if error["type"] == "missing":
+        return SpecError(f"{key}: missing; use {accepted(field, root)}")
+    return SpecError(f"{key}: {error['input']!r} is not accepted; use {accepted(field, root)}")
+
+
+def _unknown_key(root: Schema, start: tuple[str, ...], loc: Any, error: ErrorDetails) -> SpecError:
+    parent_key, parent = _walk(root, start, loc[:-1])
+    keys = ", ".join(_resolve(parent, root).get("properties", {}))
+    bad = loc[-1] if loc else error["input"]
+    if error["type"] == "invalid_key":
+        bad = error["input"]
+    if not parent_key:
+        return SpecError(f"{bad!r}: unknown top-level key; accepted keys are {keys}")
+    return SpecError(f"{parent_key}.{bad}: unknown key; accepted keys are {keys}")
+
+
+def field_schema(root: Schema, path: str) -> Schema:
+    """The schema of the field at a dotted `path` (``train.pipeline.stages``) of `root`."""
+    return _walk(root, (), tuple(path.split(".")))[1]
+
+
+def _walk(root: Schema, start: tuple[str, ...], loc: Any) -> tuple[str, Schema]:
+    """The dotted key of `loc` and the schema of the field there. Parts of `loc` that name no
+    field (pydantic's names for the members of a union) are left out."""
+    key, node = "", root
+    for part in (*start, *loc):
+        here = _resolve(node, root)
+        if isinstance(part, int) and "items" in here:
+            key, node = f"{key}[{part}]", here["items"]
+        elif isinstance(part, str) and part in here.get("properties", {}):
+            key, node = f"{key}.{part}" if key else part, here["properties"][part]
+    return key, node
+
+
+def _resolve(node: Schema, root: Schema) -> Schema:
+    """The object or array a field holds: its $ref followed, the non-null member of an anyOf."""
+    if "$ref" in node:
+        resolved: Schema = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+        return resolved
+    for member in node.get("anyOf", ()):
+        if "$ref" in member or member.get("type") in ("object", "array"):
+            return _resolve(member, root)
+    return node
+
+
+def accepted(node: Schema, root: Schema, plural: bool = False) -> str:
+    """What a field of this schema accepts, in words: ``a whole number >= 1``, ``one of: a, b``."""
+    if "$ref" in node:
+        node = {**_resolve(node, root), **{k: v for k, v in node.items() if k != "$ref"}}
+    if "anyOf" in node:
+        members = [m for m in node["anyOf"] if m.get("type") != "null"]
+        return ", or ".join(accepted(member, root, plural) for member in members)
+    if "enum" in node:
+        return "one of: " + ", ".join(str(value) for value in node["enum"])
+    kind = node.get("type")
+    if kind == "object":
+        keys = ", ".join(node.get("properties", ()))
+        phrase = f"mappings of {keys}" if plural else f"a mapping of {keys}"
+        if not keys:
+            phrase = "mappings" if plural else "a mapping"
+    elif kind == "array":
+        phrase = f"a list of {accepted(node.get('items', {}), root, plural=True)}"
+    elif kind == "boolean":
+        phrase = "true or false"
+    elif kind in ("integer", "number"):
+        noun = "whole number" if kind == "integer" else "number"
+        phrase = (f"{noun}s" if plural else f"a {noun}") + _bounds(node)
+    elif kind == "string":
+        noun = "text" if "pattern" not in node else "non-blank text"
+        phrase = FORMATS.get(node.get("format", ""), f"{noun}s" if plural else f"a {noun}")
+    else:
+        phrase = "a value"
+    examples = node.get("examples")
+    return f"{phrase}, e.g. {examples[0]}" if examples and not plural else phrase
+
+
+def _bounds(node: Schema) -> str:
+    bounds = (
+        (">=", node.get("minimum")),
+        (">", node.get("exclusiveMinimum")),
+        ("<=", node.get("maximum")),
+        ("<", node.get("exclusiveMaximum")),
+    )
+    return "".join(f" {sign} {value}" for sign, value in bounds if value is not None)
