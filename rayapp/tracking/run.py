@@ -49,7 +49,8 @@ TAG_EARLY_STOPPED = "rayapp.early_stopped"
 """Set ("true") when the job's loop stopped before its last epoch (``break`` or ``ctx.stop()``)."""
 TAG_PARENT = "mlflow.parentRunId"
 EPOCH_MARKER_METRIC = "epoch_time_s"
-"""Logged for every epoch by every loop, built-in or the user's: its steps say which epochs a run holds."""
+"""Logged for every epoch by every loop, built-in or the user's: its steps say which epochs a run
+holds."""
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
@@ -77,7 +78,8 @@ def default_artifact_location(tracking_uri: str) -> str | None:
 def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
     return {
         "job": spec.name,
-        "nodes": spec.cluster.nodes_label,  # 1:2 for an elastic run: never mistaken for a fixed size
+        # 1:2 for an elastic run: never mistaken for a fixed size
+        "nodes": spec.cluster.nodes_label,
         "workers_per_node": str(spec.cluster.workers_per_node),
         "world_size": spec.cluster.world_label,
         "backend": backend,
@@ -225,7 +227,8 @@ ACCESS_CHECK_TIMEOUT_S = 10.0
 
 
 def credentials_from_env() -> dict[str, str]:
-    """The MLflow credentials of this shell, for the workers (they travel in memory, not as params)."""
+    """The MLflow credentials of this shell, for the workers (they travel in memory, not as
+    params)."""
     return {name: os.environ[name] for name in MLFLOW_CREDENTIAL_ENV if os.environ.get(name)}
 
 
