@@ -85,6 +85,12 @@ class TrainSpec:
     grad_clip: Number | None = Field(
         None, gt=0, description="Clip the gradients' global norm to this before each step."
     )
+    timing_every: WholeNumber = Field(
+        50,
+        ge=1,
+        description="Steps between reads of the step timers (their only device syncs) and between "
+        "samples of DDP's communication timings, which are scaled up to the epoch.",
+    )
     seed: WholeNumber = Field(0, ge=0, description="Seed for data, weights and shuffling.")
     scaling: Scaling = Field(
         "weak",
