@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from rayapp.cli import cluster, jobs, runs, submit
+from rayapp.cli import cluster, jobs, runs, schema, submit
 from rayapp.cli.common import CONTEXT_SETTINGS
 
 
@@ -35,5 +35,6 @@ for command in (
     jobs.logs,
     jobs.stop,
     cluster.cluster,
+    schema.schema,
 ):
     main.add_command(command)

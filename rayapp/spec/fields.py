@@ -49,6 +49,9 @@ def _no_switch(value: object) -> object:
 
 Number = Annotated[float, BeforeValidator(_no_switch)]
 """A number; also a number written as text, as YAML 1.1 reads ``1e-3`` (no dot)."""
+PositiveNumber = Annotated[float, Field(gt=0), BeforeValidator(_no_switch)]
+"""A number > 0 (the bound inside the type, so that it holds, and shows in the JSON Schema, where
+the field may also be none)."""
 
 
 def is_import_path(value: object) -> bool:

@@ -138,4 +138,9 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
 def job_schema() -> dict[str, Any]:
     """The JSON Schema of a job file, for editors (``rayapp schema``)."""
     schema: dict[str, Any] = JOB.json_schema(by_alias=True)
-    return schema
+    schema.pop("required", None)  # a job file's name defaults to the file's own name
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **schema,
+        "title": "rayapp job",
+    }

@@ -35,18 +35,19 @@ def spec_error(exc: ValidationError, cls: type, path: str = "") -> SpecError:
     if isinstance(cause, SpecError):  # a rule across fields says it in its own words
         return SpecError(str(cause))
     root = _schema(cls)
-    start = tuple(path.split(".")) if path else ()
     loc = error["loc"]
     if error["type"] in _UNKNOWN_KEY:
-        return _unknown_key(root, start, loc, error)
-    key, field = _walk(root, start, loc)
+        return _unknown_key(root, path, loc, error)
+    key, field = _walk(root, path, loc)
+    if loc and loc[-1] == "[key]":  # a mapping's key that is not text
+        return SpecError(f"{key}: key {error['input']!r} is not accepted; use text keys")
     if error["type"] == "missing":
         return SpecError(f"{key}: missing; use {accepted(field, root)}")
     return SpecError(f"{key}: {error['input']!r} is not accepted; use {accepted(field, root)}")
 
 
-def _unknown_key(root: Schema, start: tuple[str, ...], loc: Any, error: ErrorDetails) -> SpecError:
-    parent_key, parent = _walk(root, start, loc[:-1])
+def _unknown_key(root: Schema, path: str, loc: Any, error: ErrorDetails) -> SpecError:
+    parent_key, parent = _walk(root, path, loc[:-1])
     keys = ", ".join(_resolve(parent, root).get("properties", {}))
     bad = loc[-1] if loc else error["input"]
     if error["type"] == "invalid_key":
@@ -58,14 +59,15 @@ def _unknown_key(root: Schema, start: tuple[str, ...], loc: Any, error: ErrorDet
 
 def field_schema(root: Schema, path: str) -> Schema:
     """The schema of the field at a dotted `path` (``train.pipeline.stages``) of `root`."""
-    return _walk(root, (), tuple(path.split(".")))[1]
+    return _walk(root, "", tuple(path.split(".")))[1]
 
 
-def _walk(root: Schema, start: tuple[str, ...], loc: Any) -> tuple[str, Schema]:
-    """The dotted key of `loc` and the schema of the field there. Parts of `loc` that name no
-    field (pydantic's names for the members of a union) are left out."""
-    key, node = "", root
-    for part in (*start, *loc):
+def _walk(root: Schema, path: str, loc: Any) -> tuple[str, Schema]:
+    """The dotted key of `loc` in `root` (the schema of the section at `path`), and the schema of
+    the field there. Parts of `loc` that name no field (pydantic's names for the members of a
+    union, ``[key]`` for a mapping's keys) are left out."""
+    key, node = path, root
+    for part in loc:
         here = _resolve(node, root)
         if isinstance(part, int) and "items" in here:
             key, node = f"{key}[{part}]", here["items"]
@@ -87,11 +89,13 @@ def _resolve(node: Schema, root: Schema) -> Schema:
 
 def accepted(node: Schema, root: Schema, plural: bool = False) -> str:
     """What a field of this schema accepts, in words: ``a whole number >= 1``, ``one of: a, b``."""
+    examples = node.get("examples")
+    example = f", e.g. {examples[0]}" if examples and not plural else ""
     if "$ref" in node:
-        node = {**_resolve(node, root), **{k: v for k, v in node.items() if k != "$ref"}}
+        node = _resolve(node, root)
     if "anyOf" in node:
         members = [m for m in node["anyOf"] if m.get("type") != "null"]
-        return ", or ".join(accepted(member, root, plural) for member in members)
+        return ", or ".join(accepted(member, root, plural) for member in members) + example
     if "enum" in node:
         return "one of: " + ", ".join(str(value) for value in node["enum"])
     kind = node.get("type")
@@ -109,11 +113,10 @@ def accepted(node: Schema, root: Schema, plural: bool = False) -> str:
         phrase = (f"{noun}s" if plural else f"a {noun}") + _bounds(node)
     elif kind == "string":
         noun = "text" if "pattern" not in node else "non-blank text"
-        phrase = FORMATS.get(node.get("format", ""), f"{noun}s" if plural else f"a {noun}")
+        phrase = FORMATS.get(node.get("format", ""), f"{noun}s" if plural else noun)
     else:
         phrase = "a value"
-    examples = node.get("examples")
-    return f"{phrase}, e.g. {examples[0]}" if examples and not plural else phrase
+    return phrase + example
 
 
 def _bounds(node: Schema) -> str:

@@ -14,7 +14,7 @@ from rayapp.spec.fields import (
     SECTION_CONFIG,
     ImportPath,
     NonBlank,
-    Number,
+    PositiveNumber,
     Switch,
     Text,
     WholeNumber,
@@ -47,7 +47,7 @@ class TrainSpec:
         description="Global batch, strong scaling: samples per step across all workers, "
         "whatever the world size.",
     )
-    lr: Number = Field(0.001, gt=0, description="Learning rate.")
+    lr: PositiveNumber = Field(0.001, description="Learning rate.")
     optimizer: OptimizerName | ImportPath = Field(
         "sgd", description="A built-in optimizer, or module:function returning one."
     )
@@ -82,8 +82,8 @@ class TrainSpec:
     grad_accum_steps: WholeNumber = Field(
         1, ge=1, description="Micro-batches whose gradients add up before each optimizer step."
     )
-    grad_clip: Number | None = Field(
-        None, gt=0, description="Clip the gradients' global norm to this before each step."
+    grad_clip: PositiveNumber | None = Field(
+        None, description="Clip the gradients' global norm to this before each step."
     )
     timing_every: WholeNumber = Field(
         50,
