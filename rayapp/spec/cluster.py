@@ -38,45 +38,49 @@ def size_label(low: int | None, high: int) -> str:
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class ClusterSpec:
     nodes: WholeNumber = Field(
-        1,
+        default=1,
         ge=1,
         description="Ray nodes to spread workers over; MIN:MAX (e.g. 1:2, quoted or not) for "
         "elastic training, short for min_nodes: MIN, nodes: MAX.",
         json_schema_extra=_count_or_range,
     )
     min_nodes: WholeNumber | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Elastic training: train with as few as this many nodes (also after one is "
         "lost) and grow back to `nodes` as nodes return; none: exactly `nodes`.",
     )
     resize_interval_s: Number = Field(
-        60.0,
+        default=60.0,
         gt=0,
         description="Elastic only: seconds between checks for returned nodes to grow onto (each "
         "growth restarts the workers from the last checkpoint).",
     )
-    workers_per_node: WholeNumber = Field(1, ge=1, description="Training workers on each node.")
-    backend: Backend = Field(
-        "auto", description="torch.distributed backend; auto: nccl on GPUs, gloo on CPUs."
+    workers_per_node: WholeNumber = Field(
+        default=1, ge=1, description="Training workers on each node."
     )
-    cpus_per_worker: WholeNumber = Field(1, ge=1, description="CPUs reserved per worker.")
+    backend: Backend = Field(
+        default="auto", description="torch.distributed backend; auto: nccl on GPUs, gloo on CPUs."
+    )
+    cpus_per_worker: WholeNumber = Field(default=1, ge=1, description="CPUs reserved per worker.")
     address: NonBlank | None = Field(
-        None,
+        default=None,
         description="Existing Ray cluster: HOST:PORT or 'auto' to run here, http://HEAD:8265 to "
         "submit through the Ray Jobs API; none starts an embedded one.",
         examples=["HOST:PORT, ray://HOST:10001 or http://HOST:8265"],
     )
     storage_path: NonBlank = Field(
-        "rayapp_results",
+        default="rayapp_results",
         description="Checkpoint storage (default $RAYAPP_STORAGE_PATH, else rayapp_results); "
         "shared storage (NFS, s3://, gs://) on real clusters.",
     )
     max_failures: WholeNumber = Field(
-        0, ge=0, description="Worker failures to recover from, restarting from the last checkpoint."
+        default=0,
+        ge=0,
+        description="Worker failures to recover from, restarting from the last checkpoint.",
     )
     working_dir: NonBlank | None = Field(
-        None,
+        default=None,
         description="Directory of your code, shipped to every worker; default: the job file's "
         "directory when the job names your code.",
     )

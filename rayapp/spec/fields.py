@@ -81,7 +81,7 @@ def section(path: str) -> Callable[[Section], Section]:
     one-line SpecError, naming ``path.key``, as a job file does."""
 
     def mark(cls: Section) -> Section:
-        init = cls.__init__
+        init = cls.__dict__["__init__"]
 
         @functools.wraps(init)
         def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:

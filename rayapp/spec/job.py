@@ -43,7 +43,7 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class JobSpec:
     name: NonBlank = Field(description="The job's name (default: the job file's name).")
-    description: Text | None = Field(None, description="What the job is, for people.")
+    description: Text | None = Field(default=None, description="What the job is, for people.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     # Before train: train.pipeline.stages defaults to the cluster's world size.

@@ -23,15 +23,16 @@ class PipelineSpec:
     (stages - 1) / (microbatches + stages - 1)."""
 
     stages: WholeNumber | None = Field(
-        None, ge=2, description="Pipeline stages, one per worker (default: the world size)."
+        default=None, ge=2, description="Pipeline stages, one per worker (default: the world size)."
     )
     microbatches: WholeNumber = Field(
-        4,
+        default=4,
         ge=1,
         description="Micro-batches each batch is split into (>= stages keeps the bubble small).",
     )
     schedule: Schedule = Field(
-        "gpipe", description="gpipe: all forwards, then all backwards; 1f1b: fewer activations."
+        default="gpipe",
+        description="gpipe: all forwards, then all backwards; 1f1b: fewer activations.",
     )
 
 

@@ -42,15 +42,17 @@ def check_one_source(path: str, kind: object, factory: object) -> None:
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class ModelSpec:
     kind: ModelKind | None = Field(
-        None,
+        default=None,
         description="A built-in model (default linear: the article's nn.Linear); input and "
         "output sizes come from the data.",
     )
     hidden: tuple[Width, ...] = Field(
-        (), description="Hidden layer widths of the mlp; empty for linear.", examples=[[256, 256]]
+        default=(),
+        description="Hidden layer widths of the mlp; empty for linear.",
+        examples=[[256, 256]],
     )
     factory: ImportPath | None = Field(
-        None,
+        default=None,
         description="Your own model instead: module:function returning an nn.Module, called "
         "with `args`; imported from the job file's directory first, then installed packages.",
         examples=["mymodels:build"],
@@ -98,33 +100,33 @@ class ModelSpec:
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class DataSpec:
     kind: DataKind | None = Field(
-        None,
+        default=None,
         description="A built-in data set (default random): random, fresh Gaussian batches as in "
         "the article; synthetic, a fixed, seeded, learnable regression set; digits, "
         "scikit-learn's 8x8 handwritten digits (10 classes, test accuracy).",
     )
-    features: WholeNumber = Field(10, ge=1, description="Input width (random, synthetic).")
-    targets: WholeNumber = Field(10, ge=1, description="Output width (random, synthetic).")
+    features: WholeNumber = Field(default=10, ge=1, description="Input width (random, synthetic).")
+    targets: WholeNumber = Field(default=10, ge=1, description="Output width (random, synthetic).")
     steps_per_epoch: WholeNumber = Field(
-        100,
+        default=100,
         ge=1,
         description="Weak scaling: batches each worker trains per epoch, so the data set grows "
         "with the world size.",
     )
     num_samples: WholeNumber = Field(
-        8192,
+        default=8192,
         ge=1,
         description="Strong scaling: size of the fixed global training set, split across workers.",
     )
     factory: ImportPath | None = Field(
-        None,
+        default=None,
         description="Your own data instead: module:function returning a map-style Dataset, or "
         "(train, test), called with `args`; each worker takes its shard.",
         examples=["mydata:load"],
     )
     args: Arguments = Field(default_factory=dict)
     loader_workers: WholeNumber = Field(
-        0,
+        default=0,
         ge=0,
         description="DataLoader worker processes per training worker; 0 loads in the training "
         "process (best for in-memory tensors).",
@@ -177,16 +179,18 @@ class DataSpec:
 @section("tracking")
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class TrackingSpec:
-    experiment: NonBlank = Field("rayapp", description="MLflow experiment name.")
+    experiment: NonBlank = Field(default="rayapp", description="MLflow experiment name.")
     tracking_uri: NonBlank | None = Field(
-        None,
+        default=None,
         description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.",
     )
     log_every_steps: WholeNumber = Field(
-        0, ge=0, description="Log step_loss and step_samples_per_s every N optimizer steps; 0: off."
+        default=0,
+        ge=0,
+        description="Log step_loss and step_samples_per_s every N optimizer steps; 0: off.",
     )
     system_metrics_s: Number = Field(
-        10.0,
+        default=10.0,
         ge=0,
         description="Seconds between per-node CPU/memory/network/GPU samples (MLflow's system "
         "metrics, system/<node>/...); 0: off.",
@@ -197,15 +201,17 @@ class TrackingSpec:
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class CheckpointSpec:
     every_epochs: WholeNumber = Field(
-        1, ge=1, description="Checkpoint after every K-th epoch (and always after the last)."
+        default=1,
+        ge=1,
+        description="Checkpoint after every K-th epoch (and always after the last).",
     )
     format: Literal["dcp", "full"] = Field(
-        "dcp",
+        default="dcp",
         description="dcp: torch.distributed.checkpoint, each rank writes its shard and resume may "
         "change the world size; full: rank 0 saves the gathered state dict.",
     )
     async_save: Switch = Field(
-        False,
+        default=False,
         alias="async",
         description="DCP only: write in the background while the next epoch trains.",
     )

@@ -34,30 +34,30 @@ WEAK_BATCH_SIZE = 64
 @section("train")
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class TrainSpec:
-    epochs: WholeNumber = Field(10, ge=1, description="Epochs to train.")
+    epochs: WholeNumber = Field(default=10, ge=1, description="Epochs to train.")
     batch_size: WholeNumber | None = Field(
-        None,
+        default=None,
         ge=1,
         description=f"Per-worker batch, weak scaling (default {WEAK_BATCH_SIZE}); strong scaling "
         "derives it (global_batch_size / world_size).",
     )
     global_batch_size: WholeNumber | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Global batch, strong scaling: samples per step across all workers, "
         "whatever the world size.",
     )
-    lr: PositiveNumber = Field(0.001, description="Learning rate.")
+    lr: PositiveNumber = Field(default=0.001, description="Learning rate.")
     optimizer: OptimizerName | ImportPath = Field(
-        "sgd", description="A built-in optimizer, or module:function returning one."
+        default="sgd", description="A built-in optimizer, or module:function returning one."
     )
     loss: LossName | ImportPath | None = Field(
-        None,
+        default=None,
         description="A built-in loss, or module:function returning a loss module or function; "
         "default: cross_entropy for labelled data, else mse.",
     )
     loop: ImportPath | None = Field(
-        None,
+        default=None,
         description="Your own per-worker loop, module:function(ctx) (rayapp.train.context).",
         examples=["mytrain:train_loop"],
     )
@@ -65,45 +65,49 @@ class TrainSpec:
         default_factory=dict, description="Keyword arguments your loop reads as ctx.args."
     )
     script: NonBlank | None = Field(
-        None,
+        default=None,
         description="Run this torchrun-style script on every worker instead of a loop; its "
         "arguments follow --.",
         examples=["train.py"],
     )
-    script_args: tuple[Text, ...] = Field((), description="Command-line arguments for the script.")
+    script_args: tuple[Text, ...] = Field(
+        default=(), description="Command-line arguments for the script."
+    )
     precision: Precision = Field(
-        "fp32",
+        default="fp32",
         description="bf16/fp16 train in mixed precision (autocast; fp16 with a gradient scaler, "
         "GPUs only).",
     )
     compile: Switch = Field(
-        False, description="torch.compile the model (after the strategy wraps it)."
+        default=False, description="torch.compile the model (after the strategy wraps it)."
     )
     grad_accum_steps: WholeNumber = Field(
-        1, ge=1, description="Micro-batches whose gradients add up before each optimizer step."
+        default=1,
+        ge=1,
+        description="Micro-batches whose gradients add up before each optimizer step.",
     )
     grad_clip: PositiveNumber | None = Field(
-        None, description="Clip the gradients' global norm to this before each step."
+        default=None, description="Clip the gradients' global norm to this before each step."
     )
     timing_every: WholeNumber = Field(
-        50,
+        default=50,
         ge=1,
         description="Steps between reads of the step timers (their only device syncs) and between "
         "samples of DDP's communication timings, which are scaled up to the epoch.",
     )
-    seed: WholeNumber = Field(0, ge=0, description="Seed for data, weights and shuffling.")
+    seed: WholeNumber = Field(default=0, ge=0, description="Seed for data, weights and shuffling.")
     scaling: Scaling = Field(
-        "weak",
+        default="weak",
         description="weak: each worker keeps its own batch and steps (the article's loop); "
         "strong: a fixed global data set and batch are split across workers.",
     )
     strategy: StrategyName = Field(
-        "ddp",
+        default="ddp",
         description="ddp (DistributedDataParallel), fsdp (FSDP2), dp (nn.DataParallel, one "
         "node), mp (layers split across two GPUs) or pp (pipeline stages, train.pipeline).",
     )
     pipeline: PipelineSpec | None = Field(
-        None, description="Strategy pp's stages, micro-batches and schedule."
+        default=None, description="Strategy pp's stages, micro-batches and schedule."
     )
 
     @model_validator(mode="before")
