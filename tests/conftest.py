@@ -80,46 +80,34 @@ def only_run(client, experiment: str = "rayapp"):
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live process below pid, read from /proc (children started in new sessions included)."""
-    import os
+    """Every live process below pid (children started in new sessions included)."""
+    import psutil
 
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in parents.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:  # pid itself has gone
+        return []
 
 
 def cmdline(pid: int) -> str:
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def alive(pid: int) -> bool:
-    import os
+    """Whether pid runs (a zombie has exited). Yields the CPU first, so that a test polling it in
+    a loop leaves the processes it waits for room to run on this small machine."""
+    import psutil
 
+    os.sched_yield()
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False
-    finally:
-        os.sched_yield()
 
 
 def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
@@ -139,7 +127,8 @@ def start_rayapp(*args: str, cwd: Path, env: dict | None = None) -> subprocess.P
 
 def _sigint_as_in_a_terminal() -> None:
     """A shell without job control starts background commands with SIGINT ignored, and Python keeps
-    an inherited SIG_IGN; reset it so a test's SIGINT is a terminal's Ctrl-C wherever the suite runs."""
+    an inherited SIG_IGN; reset it so a test's SIGINT is a terminal's Ctrl-C wherever the suite
+    runs."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -17,6 +17,7 @@ import click
 
 from rayapp.cli.common import CONTEXT_SETTINGS, EXIT_INTERRUPTED, friendly_errors
 from rayapp.cli.flags import dashboard_address_option
+from rayapp.errors import first_line
 from rayapp.launch.jobs_api import (
     STOP_TIMEOUT_S,
     TERMINAL_STATUSES,
@@ -25,7 +26,6 @@ from rayapp.launch.jobs_api import (
     job_logs,
     list_submissions,
     normalize_address,
-    one_line,
     stop_job,
     stream_logs,
     wait_for_terminal,
@@ -88,7 +88,7 @@ def status(submission_id: str | None, address: str, limit: int) -> None:
             f"job [bold]{submission_id}[/bold]: [{STATUS_COLOURS.get(state, 'white')}]{state}[/]"
         )
         if info.message:
-            console.print(f"  message:    {one_line(info.message)}", markup=False)
+            console.print(f"  message:    {first_line(info.message)}", markup=False)
         console.print(
             f"  started:    {_when(info.start_time)}   ended: {_when(info.end_time)}   "
             f"({_duration(info.start_time, info.end_time)})"
@@ -265,7 +265,7 @@ def follow(client: Any, submission_id: str, address: str) -> int:
         )
         return 1
     # Ray appends the driver's last output to the message; it has just been streamed above.
-    message = re.sub(r",? *last available logs.*$", "", one_line(info.message or "")).rstrip(" :")
+    message = re.sub(r",? *last available logs.*$", "", first_line(info.message or "")).rstrip(" :")
     detail = f": {message}" if message else ""
     click.secho(f"rayapp: error: job {submission_id} ended {status}{detail}", err=True, fg="red")
     return 1

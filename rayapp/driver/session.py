@@ -11,11 +11,10 @@ from collections.abc import Callable, Iterator
 
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import local_gpus
-from rayapp.errors import RayappError
+from rayapp.errors import RayappError, cause_line
 from rayapp.launch import warm
 from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.spec import JobSpec
-from rayapp.train.socket_ifname import SETUP_HOOK
 
 ProgressCallback = Callable[[dict], None]
 WARM_LABEL = "local-warm"
@@ -40,16 +39,6 @@ LOCAL_RAY_TRAIN_SETTINGS = {
 }
 """Ray Train settings for jobs on the embedded or warm cluster, where they cut start-up work that
 serves only real clusters (docs/benchmarks.md, "Warm cluster"). A value set by the user wins."""
-
-
-def first_line(exc: BaseException) -> str:
-    """Ray wraps worker errors in long multi-line reports; the cause's last line is what a person
-    needs."""
-    cause = exc
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(cause).__name__
 
 
 @dataclasses.dataclass
@@ -95,12 +84,10 @@ def ray_cluster(
                 _node_ip_address=node_ip,
                 log_to_driver=verbose,
                 logging_level="ERROR" if not verbose else "INFO",
-                # Every worker pins Gloo and NCCL to the interface of its node's Ray address
-                # before Ray Train forms the process group.
-                runtime_env={**(runtime_env or {}), "worker_process_setup_hook": SETUP_HOOK},
+                runtime_env=runtime_env,
             )
         except Exception as exc:  # ConnectionError, timeouts, bad scheme
-            raise RayappError(f"cannot connect to {where}: {first_line(exc)}") from None
+            raise RayappError(f"cannot connect to {where}: {cause_line(exc)}") from None
         raise_on_termination()  # ray.init put its own SIGTERM handler in place of ours
 
     address = spec.cluster.address

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayapp.driver.session import ProgressCallback, first_line, progress_pump, ray_cluster
+import tenacity
+
+from rayapp.driver.session import ProgressCallback, progress_pump, ray_cluster
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import build_trainer, storage_path, trial_name
-from rayapp.errors import RayappError
+from rayapp.errors import RayappError, cause_line
 from rayapp.launch import working_dir
 from rayapp.launch.node_check import check_nodes
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
@@ -146,9 +148,9 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
             except Exception as exc:
                 lost = cluster.lost_nodes()
                 cause = (
-                    f"node {', '.join(lost)} was lost ({first_line(exc)})"
+                    f"node {', '.join(lost)} was lost ({cause_line(exc)})"
                     if lost
-                    else first_line(exc)
+                    else cause_line(exc)
                 )
                 raise RayappError(
                     f"training failed: {cause} (MLflow run {run_id} marked FAILED)"
@@ -289,13 +291,15 @@ def _close_run_or_save(
     from rayapp.tracking.outbox import CLIENT_ENV, Record, append_fallback
 
     os.environ.update(CLIENT_ENV)  # fail each try in seconds; the retries are here
-    for delay in (0, 2, 5):
-        time.sleep(delay)
-        try:
-            close_run(tracking_uri, run_id, outcome)
-            return
-        except Exception:
-            continue
+    try:
+        tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(3),
+            wait=tenacity.wait_chain(tenacity.wait_fixed(2), tenacity.wait_fixed(5)),
+            reraise=True,
+        )(close_run, tracking_uri, run_id, outcome)
+        return
+    except Exception:  # the server stayed away through the tries: keep the status for later
+        pass
     append_fallback(Path(fallback), [Record("status", run_id, values={"status": outcome})])
     status(
         f"MLflow is unreachable: run {run_id} could not be marked {outcome}; saved to {fallback}. "

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayapp.errors import RayappError
+from rayapp.launch import ray_auth
+from rayapp.launch.processes import descendants, kill_and_wait, start_time
 
 # Ray enables token authentication for local clusters. One token per driver process: Ray's
 # client caches the token it first loads, so every embedded cluster this process starts
@@ -247,7 +249,7 @@ class EmbeddedCluster:
                         continue
                     if index not in lost_since:
                         lost_since[index] = time.monotonic()
-                        _kill_and_wait(_descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
+                        kill_and_wait(descendants([process.pid]), timeout_s=STOP_TIMEOUT_S)
                         later = f" in {replace_after_s:.0f} s" if replace_after_s else ""
                         on_restart(
                             f"node {node_ip(index)} was lost (its `ray start` exited with code "
@@ -313,7 +315,7 @@ class EmbeddedCluster:
             self._watchdog = None
         # Taken before any signal: once a raylet is gone, its workers are re-parented and no longer
         # show as descendants of the node they belonged to.
-        tree = _descendants([process.pid for process in self._processes if process.poll() is None])
+        tree = descendants([process.pid for process in self._processes if process.poll() is None])
         for process in reversed(self._processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -327,7 +329,7 @@ class EmbeddedCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
         self._processes.clear()
-        _kill_and_wait(tree, timeout_s=STOP_TIMEOUT_S)
+        kill_and_wait(tree, timeout_s=STOP_TIMEOUT_S)
         if self._owns_log_dir and not keep_logs and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         for directory in [self._temp_dir, *self._node_temp_dirs]:
@@ -347,12 +349,7 @@ def use_token(token: str) -> None:
     same process (a sweep) is refused unless that cache is reset.
     """
     os.environ.update(auth_env(token))
-    try:
-        from ray._raylet import AuthenticationTokenLoader, Config
-    except ImportError:  # Ray without token auth: nothing cached
-        return
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    ray_auth.reload_settings(forget_token=True)
 
 
 def stop_leaders(leaders: dict[int, str]) -> None:
@@ -360,7 +357,7 @@ def stop_leaders(leaders: dict[int, str]) -> None:
     does: SIGTERM each `ray start --block` leader, SIGKILL what is left of its session and of every
     process below it. Only these pids, and only while their start time still matches."""
     live = {pid: started for pid, started in leaders.items() if start_time(pid) == started}
-    tree = _descendants(list(live))
+    tree = descendants(list(live))
     for pid in reversed(list(live)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
@@ -374,7 +371,7 @@ def stop_leaders(leaders: dict[int, str]) -> None:
         if start_time(pid) == started:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # each leader leads its own session: pgid == pid
-    _kill_and_wait({**tree, **live}, timeout_s=STOP_TIMEOUT_S)
+    kill_and_wait({**tree, **live}, timeout_s=STOP_TIMEOUT_S)
 
 
 def _signal_session(process: subprocess.Popen, sig: int) -> None:
@@ -382,58 +379,3 @@ def _signal_session(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks, or None once it has exited (a zombie has exited).
-
-    Compared with a snapshot, it tells the same process from a later one that reuses the pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _descendants(roots: list[int]) -> dict[int, str]:
-    """Every live process below the roots, pid -> start time, read from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # no /proc: nothing to add to the session signals
-        return {}
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found: dict[int, str] = {}
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            started = start_time(child)
-            if started is not None:
-                found[child] = started
-                stack.append(child)
-    return found
-
-
-def _kill_and_wait(tree: dict[int, str], *, timeout_s: float) -> None:
-    """SIGKILL what is left of a snapshot of the cluster's processes, and wait until it has exited.
-
-    Ray workers run in process groups of their own, so the SIGKILL to each node's group misses them;
-    left alone they exit when they notice their raylet is gone, which can take seconds."""
-
-    def survivors() -> list[int]:
-        return [pid for pid, started in tree.items() if start_time(pid) == started]
-
-    for pid in survivors():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while survivors() and time.monotonic() < deadline:
-        time.sleep(0.05)

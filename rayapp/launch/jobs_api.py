@@ -16,9 +16,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from typing import Any
 
-from rayapp.errors import RayappError
+import tenacity
+
+from rayapp.errors import RayappError, first_line
+from rayapp.launch import ray_auth
 
 DEFAULT_DASHBOARD_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -51,19 +55,10 @@ def use_token_if_available() -> None:
     The Jobs client only sends a token in token mode; `ray.init()` makes the same choice when it
     connects to an existing cluster. An explicit RAY_AUTH_MODE (token or disabled) is respected.
     """
-    if os.environ.get("RAY_AUTH_MODE") is not None:
-        return
-    try:
-        from ray._raylet import AuthenticationTokenLoader, Config
-    except ImportError:  # a Ray without token auth
-        return
-    try:
-        if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
-            return
-    except Exception:  # an unreadable RAY_AUTH_TOKEN_PATH: the request will say what is wrong
+    if os.environ.get("RAY_AUTH_MODE") is not None or not ray_auth.token_available():
         return
     os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")
+    ray_auth.reload_settings()
 
 
 def quiet_ray_client_logs() -> None:
@@ -85,8 +80,32 @@ def connect(address: str) -> Any:
 
     quiet_ray_client_logs()
 
-    with api_errors(address):
-        return JobSubmissionClient(address)
+    class Client(JobSubmissionClient):
+        """Ray's Jobs client, raising a refused request as a JobsApiError with its HTTP status:
+        Ray's own RuntimeError holds the status only in its text. Every failed response goes
+        through _raise_error (ray.dashboard.modules.dashboard_sdk)."""
+
+        def _raise_error(self, r: Any) -> None:
+            raise JobsApiError(r.status_code, r.text)
+
+    try:
+        with api_errors(address):
+            return Client(address)
+    except RayappError:
+        raise
+    except RuntimeError:  # the client's version check: /api/version missing, or Ray < 2.0 there
+        raise RayappError(
+            f"{address} is not a Ray dashboard (no Jobs API of Ray 2.0 or later there); "
+            f"{TUNNEL_HINT}"
+        ) from None
+
+
+class JobsApiError(RuntimeError):
+    """A Jobs API request the dashboard refused with an HTTP error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {first_line(body) or 'no reason given'}")
+        self.status, self.body = status, body
 
 
 @contextlib.contextmanager
@@ -97,9 +116,8 @@ def api_errors(address: str, submission_id: str | None = None) -> Iterator[None]
 
     try:
         yield
-    except AuthenticationError as exc:
-        text = str(exc)
-        if "Authentication failed" in text or "403" in text:
+    except AuthenticationError:
+        if ray_auth.sends_token():  # 403: a token went and was refused; else 401: none went
             raise RayappError(
                 f"the Ray cluster at {address} rejected this machine's "
                 "token; get the cluster's token (the file ~/.ray/auth_token "
@@ -116,20 +134,15 @@ def api_errors(address: str, submission_id: str | None = None) -> Iterator[None]
     except requests.exceptions.RequestException as exc:
         raise RayappError(
             f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: "
-            f"{one_line(str(exc))}); {TUNNEL_HINT}"
+            f"{first_line(exc)}); {TUNNEL_HINT}"
         ) from None
-    except RuntimeError as exc:
-        text = one_line(str(exc))
-        if submission_id and ("404" in text or "does not exist" in text):
+    except JobsApiError as exc:
+        if submission_id and exc.status == HTTPStatus.NOT_FOUND:
             raise RayappError(
                 f"no job {submission_id!r} on the Ray cluster at {address}; "
                 f"`rayapp status --address {address}` lists its jobs"
             ) from None
-        if "Version check returned 404" in text or "Jobs API is not supported" in text:
-            raise RayappError(
-                f"{address} is not a Ray dashboard (no Jobs API there); {TUNNEL_HINT}"
-            ) from None
-        raise RayappError(f"the Ray Jobs API at {address} refused the request: {text}") from None
+        raise RayappError(f"the Ray Jobs API at {address} refused the request: {exc}") from None
 
 
 def job_info(client: Any, submission_id: str, address: str) -> Any:
@@ -162,7 +175,7 @@ def stream_logs(
     except Exception as exc:  # the websocket dropped: the tunnel or the dashboard went away
         raise RayappError(
             f"lost the log stream of job {submission_id} from {address} "
-            f"({one_line(str(exc)) or type(exc).__name__}); the job may still "
+            f"({first_line(exc) or type(exc).__name__}); the job may still "
             f"be running: rayapp status {submission_id} --address {address}"
         ) from None
 
@@ -201,24 +214,28 @@ def stop_job(client: Any, submission_id: str, address: str, *, timeout_s: float)
     return status
 
 
-def one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""
-
-
 def submit_with_retry(submit: Any, address: str) -> None:
-    deadline = time.monotonic() + AGENT_WAIT_S
-    while True:
-        try:
-            with api_errors(address):
+    """submit(), again every 2 s for up to AGENT_WAIT_S while the head has no job agent yet."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_no_agent_yet),
+        stop=tenacity.stop_after_delay(AGENT_WAIT_S),
+        wait=tenacity.wait_fixed(2.0),
+        reraise=True,
+    )
+    with api_errors(address):
+        for attempt in retrying:
+            with attempt:
                 submit()
-            return
-        except RayappError as exc:
-            # A cluster that has just started has no job agent registered yet; Ray says "try again
-            # later".
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(2.0)
+
+
+def _no_agent_yet(exc: BaseException) -> bool:
+    """A cluster that has just started has no job agent registered yet: Ray answers 500, "No
+    available agent to submit job, please try again later" (job_head.py)."""
+    return (
+        isinstance(exc, JobsApiError)
+        and exc.status == HTTPStatus.INTERNAL_SERVER_ERROR
+        and "No available agent" in exc.body
+    )
 
 
 def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
@@ -246,7 +263,7 @@ def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     except requests.exceptions.RequestException as exc:
         raise RayappError(
             f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: "
-            f"{one_line(str(exc))}); {TUNNEL_HINT}"
+            f"{first_line(exc)}); {TUNNEL_HINT}"
         ) from None
 
 

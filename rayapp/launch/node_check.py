@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rayapp.errors import RayappError
+from rayapp.errors import RayappError, cause_line
 
 NODE_CHECK_TIMEOUT_S = 120.0
 """How long the nodes have to answer; a node's first task also unpacks the job's code there."""
@@ -273,12 +273,6 @@ def run_on_every_node(check: NodeCheck, credentials: Mapping[str, str]) -> list[
             reports.append(ray.get(ref))
         except Exception as exc:  # the job's environment failed to set up there, or the task died
             raise RayappError(
-                f"node {pending[ref]} failed rayapp's check before training: {_last_line(exc)}"
+                f"node {pending[ref]} failed rayapp's check before training: {cause_line(exc)}"
             ) from None
     return sorted(reports, key=lambda report: report.node_ip)
-
-
-def _last_line(exc: BaseException) -> str:
-    """Ray wraps a task's error in a long report; its last line names the cause."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__

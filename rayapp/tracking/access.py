@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from rayapp.errors import first_line
+
 ACCESS_CHECK_TIMEOUT_S = 10.0
 ACCESS_CHECK_PATH = "/api/2.0/mlflow/experiments/search"
 """An API read: MLflow exempts /health from its Host-header check, so /health says nothing of it."""
@@ -108,7 +110,7 @@ def refusal(uri: str, answer: ServerAnswer, credentials: Mapping[str, str]) -> s
             "to an account that may write runs"
         )
     if status == 403:
-        said = body.strip().splitlines()[0][:200] if body.strip() else "no reason given"
+        said = first_line(body)[:200] or "no reason given"
         return (
             f"MLflow at {uri} refused the request (HTTP 403: {said}); it is not MLflow's "
             "credentials answer, so check what stands in front of the server (a proxy's or "

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from typing import Any
+
+import tenacity
 
 from rayapp.tracking.outbox import CLIENT_ENV
 
@@ -72,17 +73,21 @@ def stop(monitor: Any | None) -> None:
     if monitor is None:
         return
     monitor.stop_sampling()
-    for attempt in range(FINAL_WRITE_TRIES):
-        if not monitor.mlflow_logger.data:
-            return
-        time.sleep(0.5 * attempt)
-        try:
+
+    def send_rest() -> None:
+        if monitor.mlflow_logger.data:
             monitor.mlflow_logger.flush()
-        except Exception as exc:
-            if attempt == FINAL_WRITE_TRIES - 1:
-                logging.getLogger(__name__).warning(
-                    "system metrics of node %s not written: %s", monitor.node_id, exc
-                )
+
+    try:
+        tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(FINAL_WRITE_TRIES),
+            wait=tenacity.wait_incrementing(start=0.5, increment=0.5),
+            reraise=True,
+        )(send_rest)
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "system metrics of node %s not written: %s", monitor.node_id, exc
+        )
 
 
 def _node_sampler_class() -> type:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayapp.errors import first_line
 from rayapp.spec import JobSpec, SpecError
 from rayapp.spec.job import is_import_path
 from rayapp.train.data import as_datasets
@@ -73,11 +74,11 @@ def resolve(field_name: str, target: str, code_dir: Path | None) -> Any:
                 f"{field_name}: {target!r}: no module named {module_name!r} (looked in {where})"
             ) from None
         raise SpecError(
-            f"{field_name}: importing {module_name} failed: {_first_line(exc)}"
+            f"{field_name}: importing {module_name} failed: {_described(exc)}"
         ) from None
     except Exception as exc:  # the user's module raised while importing
         raise SpecError(
-            f"{field_name}: importing {module_name} failed: {_first_line(exc)}"
+            f"{field_name}: importing {module_name} failed: {_described(exc)}"
         ) from None
     obj: Any = module
     for part in attribute.split("."):
@@ -111,9 +112,10 @@ def _call(field_name: str, target: str, factory: Any, args: dict) -> Any:
     try:
         return factory(**args)
     except Exception as exc:
-        raise SpecError(f"{field_name}: {target}(**{args!r}) raised {_first_line(exc)}") from None
+        raise SpecError(f"{field_name}: {target}(**{args!r}) raised {_described(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+def _described(exc: BaseException) -> str:
+    """``ValueError: the message's first line``: what the user's code raised, on one line."""
+    line = first_line(exc)
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__

@@ -1,0 +1,1 @@
+"""Stage 3, after driver: comparison tables and scaling plots of MLflow runs."""
