@@ -1,0 +1,390 @@
+"""Isolated test hosts on one Linux machine, for rehearsing a `ray up` cluster config.
+
+Each host is a network namespace joined to one bridge by a veth pair (the machine itself, "the
+laptop", is the bridge's 198.18.0.1; hosts are 198.18.0.2, .3, ...), with a mount namespace of its
+own in which /tmp, /dev/shm and root's home are private, and one shared directory
+(:data:`SHARED_DIR`, standing in for NFS) is mounted at the same path on every host. Each runs
+Debian's sshd accepting a key made for the set, so `ray up` reaches the hosts exactly as it reaches
+machines. The hosts keep the machine's host name, which resolves to loopback as on stock
+Debian/Ubuntu. One host may get a second interface on a second bridge that routes nowhere else.
+
+A host lives as long as one holder process (``sleep infinity`` in the host's namespaces); commands
+enter it with ``nsenter``. Everything made is named with :data:`PREFIX` and recorded in a state
+file, so :func:`down` (and the next :func:`up`) removes it even after a crash: every process in a
+host's network namespace (by pid), the namespaces, the links, the directories.
+
+Root only (namespaces, bridges and mounts need CAP_SYS_ADMIN and CAP_NET_ADMIN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayapp.launch import netns
+from rayapp.launch.netns import HostsError
+
+PREFIX = "rayapp-"
+"""Names of the namespaces and links made here start with it (links are at most 15 characters)."""
+BRIDGE = PREFIX + "br0"
+ISOLATED_BRIDGE = PREFIX + "br1"
+SUBNET = "198.18.0"
+"""198.18.0.0/15 is reserved for benchmark testing (RFC 2544): no real network uses it."""
+LAPTOP_ADDRESS = f"{SUBNET}.1"
+PREFIX_LEN = 25
+"""Hosts use 198.18.0.0/25; the second interface, 198.18.0.128/25, which no other host routes to."""
+ISOLATED_OFFSET = 128
+SHARED_DIR = Path("/mnt/rayapp-shared")
+"""Mounted at this path on every host (onprem.yaml's NFS mount point)."""
+STATE_DIR = Path(os.environ.get("RAYAPP_TESTHOSTS_DIR", "/var/tmp/rayapp-testhosts"))
+MAX_HOSTS = 100
+SSHD = "/usr/sbin/sshd"
+SSH_OPTIONS = (
+    "-o",
+    "StrictHostKeyChecking=no",
+    "-o",
+    "UserKnownHostsFile=/dev/null",
+    "-o",
+    "LogLevel=ERROR",
+    "-o",
+    "IdentitiesOnly=yes",
+)
+"""As Ray's command runner uses them: the hosts' keys are new for every set."""
+_READY_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class TestHost:
+    name: str
+    """The network namespace (`ip netns exec NAME ...` works too)."""
+    address: str
+    holder_pid: int
+    """The process that keeps the host's namespaces alive; commands enter them through it."""
+    isolated_address: str | None = None
+    """The second interface's address, on the bridge that routes to no other host."""
+
+    __test__ = False  # not a pytest test class
+
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` as run inside this host (its network and mount namespaces)."""
+        return ["nsenter", "-t", str(self.holder_pid), "-m", "-n", "--", *argv]
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("timeout", 60)
+        return subprocess.run(self.command(argv), **kwargs)
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """A long-running command in this host, in a process group of its own."""
+        return subprocess.Popen(self.command(argv), start_new_session=True, **kwargs)
+
+    def pids(self) -> list[int]:
+        """Every process in this host (its network namespace), the holder included."""
+        return netns.netns_pids(self.name)
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of every process in this host but the holder."""
+        found = {}
+        for pid in self.pids():
+            if pid != self.holder_pid:
+                cmdline = netns.cmdline(pid)
+                if cmdline is not None:
+                    found[pid] = cmdline
+        return found
+
+    def path(self, inside: str | Path) -> Path:
+        """The file at `inside` (a path as the host sees it) seen from the machine itself."""
+        return Path(f"/proc/{self.holder_pid}/root") / Path(inside).relative_to("/")
+
+
+@dataclass(frozen=True)
+class TestHosts:
+    hosts: list[TestHost]
+    key: Path
+    """Private key every host's sshd accepts for root."""
+    shared_dir: Path = SHARED_DIR
+    user: str = "root"
+
+    __test__ = False
+
+    def ssh(self, host: TestHost, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`command` run on `host` over SSH from the machine itself, as `ray up` would."""
+        return subprocess.run(
+            ["ssh", *SSH_OPTIONS, "-i", str(self.key), f"{self.user}@{host.address}", command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "hosts": [dataclasses.asdict(host) for host in self.hosts],
+            "key": str(self.key),
+            "shared_dir": str(self.shared_dir),
+            "user": self.user,
+        }
+
+
+def check_can_make_hosts() -> None:
+    """One line naming what is missing when hosts cannot be made on this machine."""
+    if sys.platform != "linux":
+        raise HostsError(f"test hosts need Linux network namespaces; this is {sys.platform}")
+    if os.geteuid() != 0:
+        raise HostsError(
+            "test hosts need root (network namespaces, bridges, mounts); run with sudo"
+        )
+    for tool in ("ip", "nsenter", "unshare", "ssh", "ssh-keygen", SSHD):
+        if shutil.which(tool) is None:
+            raise HostsError(
+                f"test hosts need {tool!r}, which is not installed; on Debian/Ubuntu: "
+                "apt-get install iproute2 util-linux openssh-client openssh-server rsync"
+            )
+
+
+def up(
+    count: int,
+    *,
+    isolated_interface_on: int | None = None,
+    python_env: Path | None = None,
+    owner_pid: int | None = None,
+) -> TestHosts:
+    """Make `count` hosts, removing any left by an earlier set first.
+
+    isolated_interface_on: the index (0-based) of a host that also gets a second interface on a
+    bridge of its own. python_env: a Python environment (default: the one running this) linked as
+    ``~/rayapp-venv`` in every host's home, where onprem.yaml's setup finds Ray, torch and rayapp
+    installed. owner_pid: a process that owns the set while it lives; another set may not replace
+    it meanwhile. On any failure everything made so far is removed."""
+    if not 1 <= count <= MAX_HOSTS:
+        raise HostsError(f"--count {count} is not accepted; use 1 to {MAX_HOSTS}")
+    if isolated_interface_on is not None and not 0 <= isolated_interface_on < count:
+        raise HostsError(
+            f"the host with two interfaces ({isolated_interface_on}) must be one of the {count} "
+            "hosts"
+        )
+    check_can_make_hosts()
+    _refuse_if_owned()
+    down()
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    STATE_DIR.chmod(0o700)
+    _write_state({"owner_pid": owner_pid, "hosts": [], "made_shared_dir": False})
+    try:
+        return _make(count, isolated_interface_on, python_env or Path(sys.prefix), owner_pid)
+    except BaseException:
+        down()
+        raise
+
+
+def load() -> TestHosts | None:
+    """The set that is up now, or None."""
+    state = _read_state()
+    if not state or not state.get("hosts"):
+        return None
+    return TestHosts(
+        hosts=[TestHost(**host) for host in state["hosts"]],
+        key=Path(state["key"]),
+        shared_dir=Path(state["shared_dir"]),
+    )
+
+
+def down() -> list[str]:
+    """Remove every host, link and directory made here (also a crashed set's); what was removed."""
+    removed: list[str] = []
+    state = _read_state() or {}
+    names = set(netns.list_netns()) | {host["name"] for host in state.get("hosts", [])}
+    for name in sorted(names):
+        if name.startswith(PREFIX):
+            netns.end_processes(netns.netns_pids(name))
+    for host in state.get("hosts", []):
+        netns.end_processes([host["holder_pid"]], expect="sleep")
+    # The machine's ends of the veth pairs (and the bridges) first: deleting a namespace removes
+    # its ends, and with them the pairs, only some time later.
+    for link in netns.list_links():
+        if link.startswith(PREFIX):
+            subprocess.run(["ip", "link", "delete", link], capture_output=True)
+            removed.append(f"link {link}")
+    for name in sorted(names):
+        if name.startswith(PREFIX) and name in netns.list_netns():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            removed.append(f"namespace {name}")
+    if state.get("made_shared_dir"):
+        try:
+            Path(state["shared_dir"]).rmdir()  # the mount point; its contents live in STATE_DIR
+        except OSError:
+            pass
+    if STATE_DIR.exists():
+        shutil.rmtree(STATE_DIR, ignore_errors=True)
+        removed.append(f"directory {STATE_DIR}")
+    return removed
+
+
+def leftovers() -> list[str]:
+    """Namespaces and links with this module's prefix that exist now."""
+    return [name for name in netns.list_netns() + netns.list_links() if name.startswith(PREFIX)]
+
+
+# -- making ------------------------------------------------------------------------------------
+
+
+def _make(
+    count: int, isolated_on: int | None, python_env: Path, owner_pid: int | None
+) -> TestHosts:
+    key = STATE_DIR / "id_ed25519"
+    netns.run_checked(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "rayapp-testhosts", "-f", str(key)]
+    )
+    host_key = STATE_DIR / "ssh_host_ed25519_key"
+    netns.run_checked(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)])
+    shared = STATE_DIR / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    made_shared_dir = not SHARED_DIR.exists()
+    state = {"owner_pid": owner_pid, "key": str(key), "shared_dir": str(SHARED_DIR)}
+    state.update(hosts=[], made_shared_dir=made_shared_dir)
+    _write_state(state)
+
+    netns.make_bridge(BRIDGE, f"{LAPTOP_ADDRESS}/{PREFIX_LEN}")
+    if isolated_on is not None:
+        # No address on the machine's side: nothing but its one host is on this network.
+        netns.make_bridge(ISOLATED_BRIDGE, None)
+    hosts: list[TestHost] = []
+    for index in range(count):
+        number = index + 2
+        name = f"{PREFIX}h{number}"
+        isolated = f"{SUBNET}.{ISOLATED_OFFSET + number}" if index == isolated_on else None
+        _make_network(name, number, isolated)
+        holder = _start_holder(name, STATE_DIR / name, shared, python_env, key)
+        host = TestHost(name, f"{SUBNET}.{number}", holder, isolated)
+        hosts.append(host)
+        state["hosts"] = [dataclasses.asdict(h) for h in hosts]
+        _write_state(state)
+        _start_sshd(host, STATE_DIR / name, host_key, key)
+    made = TestHosts(hosts=hosts, key=key)
+    for host in hosts:
+        _wait_for_ssh(made, host)
+    return made
+
+
+def _make_network(name: str, number: int, isolated_address: str | None) -> None:
+    netns.run_checked(["ip", "netns", "add", name])
+    ns = ["ip", "-n", name]
+    if isolated_address:
+        # Made first, so it is the host's first interface: choosing "the first one that is not
+        # loopback" would pick it, and fail.
+        netns.add_veth(name, f"{PREFIX}i{number}", ISOLATED_BRIDGE, "eth1")
+        netns.run_checked([*ns, "addr", "add", f"{isolated_address}/{PREFIX_LEN}", "dev", "eth1"])
+        netns.run_checked([*ns, "link", "set", "eth1", "up"])
+    netns.add_veth(name, f"{PREFIX}v{number}", BRIDGE, "eth0")
+    netns.run_checked([*ns, "addr", "add", f"{SUBNET}.{number}/{PREFIX_LEN}", "dev", "eth0"])
+    netns.run_checked([*ns, "link", "set", "eth0", "up"])
+    netns.run_checked([*ns, "link", "set", "lo", "up"])
+    # Only the connected subnets are routed: no default route, so nothing leaves these networks.
+
+
+def _start_holder(name: str, home_of: Path, shared: Path, python_env: Path, key: Path) -> int:
+    """The process whose namespaces are the host: a private /tmp, /dev/shm and home; the shared
+    directory at SHARED_DIR. Mounts made in a private mount namespace vanish with it."""
+    tmp, home = home_of / "tmp", home_of / "root"
+    for directory in (tmp, home / ".ssh"):
+        directory.mkdir(parents=True)
+    tmp.chmod(0o1777)
+    home.chmod(0o700)
+    (home / ".ssh" / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+    for dotfile in (".bashrc", ".profile"):
+        skeleton = Path("/etc/skel") / dotfile
+        if skeleton.exists():
+            shutil.copy(skeleton, home / dotfile)
+    # Ray, torch and rayapp "installed" on the host where onprem.yaml's setup looks for them.
+    (home / "rayapp-venv").symlink_to(python_env)
+    return netns.start_holder(
+        name,
+        [
+            f"mount --bind {tmp} /tmp",
+            "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
+            f"mount --bind {home} /root",
+            f"mkdir -p {SHARED_DIR}",
+            f"mount --bind {shared} {SHARED_DIR}",
+            "mkdir -p /run/sshd",
+        ],
+        ready=home_of / "ready",
+    )
+
+
+def _start_sshd(host: TestHost, home_of: Path, host_key: Path, key: Path) -> None:
+    config = home_of / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"ListenAddress {host.address}",
+                f"HostKey {host_key}",
+                f"PidFile {home_of / 'sshd.pid'}",
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                # `ray up` opens many sessions at once; the default refuses some at random
+                "MaxStartups 100",
+                "MaxSessions 100",
+                "AcceptEnv LANG LC_*",
+                "",
+            ]
+        )
+    )
+    host.popen(
+        [SSHD, "-D", "-e", "-f", str(config)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(home_of / "sshd.log", "wb"),  # noqa: SIM115 - the child keeps it
+    )
+
+
+def _wait_for_ssh(hosts: TestHosts, host: TestHost) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while True:
+        result = hosts.ssh(host, "true", timeout=10)
+        if result.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise HostsError(
+                f"sshd on test host {host.address} did not accept the key: {result.stderr.strip()}"
+            )
+        time.sleep(0.2)
+
+
+# -- removing ----------------------------------------------------------------------------------
+
+
+def _refuse_if_owned() -> None:
+    state = _read_state() or {}
+    owner = state.get("owner_pid")
+    if owner and owner != os.getpid() and netns.is_running(owner):
+        raise HostsError(
+            f"the test hosts are in use by process {owner}; wait for it to end, "
+            "or run `rayapp hosts down` to remove them"
+        )
+
+
+def _state_file() -> Path:
+    return STATE_DIR / "state.json"
+
+
+def _read_state() -> dict | None:
+    try:
+        return json.loads(_state_file().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(state: dict) -> None:
+    temporary = _state_file().with_suffix(".tmp")
+    temporary.write_text(json.dumps(state, indent=1))
+    temporary.replace(_state_file())

@@ -1,0 +1,410 @@
+"""rayapp on separate hosts, as a user runs it: `ray up` of cluster_configs/onprem.yaml over SSH,
+`rayapp submit` through the Ray Jobs API from this machine (the "laptop"), a real `mlflow server` on
+another host, checkpoints on a directory shared by every host.
+
+The hosts come from rayapp.launch.testhosts: network namespaces on one bridge (198.18.0.0/25),
+each with a private /tmp, /dev/shm and home and its own sshd. Host 1 (a worker) has a second
+interface that routes nowhere. They keep this machine's host name, which resolves to loopback
+(as on stock Debian), so Gloo rendezvous only works over the interface rayapp pins it to.
+
+Every verdict comes from the MLflow server's REST API and from the hosts (process lists, files
+in their namespaces), not from rayapp's printout. The tests run in file order on one cluster: the
+lost-node test takes a worker down, and the last one is `ray down`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_rayapp
+
+from rayapp.launch import netns, testhosts
+from rayapp.launch.testhosts import TestHost, TestHosts
+from rayapp.train.socket_ifname import TAG_SOCKET_IFNAMES
+
+pytestmark = pytest.mark.hosts
+
+HEAD, TWO_INTERFACES, WORKER, MLFLOW = range(4)
+MLFLOW_PORT = 5000
+STORAGE = "/mnt/rayapp-shared/checkpoints"
+"""RAYAPP_STORAGE_PATH in onprem.yaml: on the directory every host shares."""
+BIN = Path(sys.executable).parent
+RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray\.util\.client")
+LAPTOP_RAY_STATE = [
+    Path("/tmp/cluster-rayapp-onprem.state"),
+    Path("/tmp/cluster-rayapp-onprem.lock"),
+]
+"""Where `ray up`'s local provider keeps the cluster's state on the laptop."""
+
+
+@dataclass
+class Cluster:
+    hosts: TestHosts
+    config: Path
+    env: dict[str, str]
+    dashboard: str
+    """The Jobs API through `ray dashboard`'s SSH tunnel, as docs/clusters.md has users reach it."""
+    tracking_uri: str
+    ray_up_s: float
+
+    def host(self, index: int) -> TestHost:
+        return self.hosts.hosts[index]
+
+    @property
+    def ray_hosts(self) -> list[TestHost]:
+        return [self.host(HEAD), self.host(TWO_INTERFACES), self.host(WORKER)]
+
+    def submit(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return run_rayapp(
+            "submit",
+            "--address",
+            self.dashboard,
+            "--tracking-uri",
+            self.tracking_uri,
+            "--storage-path",
+            STORAGE,
+            *args,
+            cwd=REPO,
+            env=self.env,
+            timeout=timeout,
+        )
+
+    def mlflow(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.tracking_uri)
+
+    def only_run(self, experiment: str):
+        client = self.mlflow()
+        found = client.get_experiment_by_name(experiment)
+        assert found is not None, f"experiment {experiment!r} is not on the MLflow server"
+        runs = client.search_runs([found.experiment_id])
+        assert len(runs) == 1, f"expected one run in {experiment!r}, found {len(runs)}"
+        return runs[0]
+
+
+def ray_processes(host: TestHost) -> dict[int, str]:
+    return {pid: cmd for pid, cmd in host.processes().items() if RAY_PROCESS.search(cmd)}
+
+
+def filled_onprem_config(hosts: TestHosts, directory: Path) -> Path:
+    """cluster_configs/onprem.yaml with its CHANGE-ME values filled in, and nothing else changed."""
+    head, workers, mlflow = hosts.hosts[HEAD], hosts.hosts[HEAD + 1 : MLFLOW], hosts.hosts[MLFLOW]
+    text = (REPO / "cluster_configs" / "onprem.yaml").read_text()
+    for old, new in [
+        ("head_ip: 10.0.0.10", f"head_ip: {head.address}"),
+        ("[10.0.0.11, 10.0.0.12]", "[" + ", ".join(w.address for w in workers) + "]"),
+        ("ssh_user: CHANGE-ME-user", f"ssh_user: {hosts.user}"),
+        ("CHANGE-ME-mlflow-host", mlflow.address),
+    ]:
+        assert text.count(old) == 1, f"onprem.yaml no longer has {old!r}"
+        text = text.replace(old, new)
+    path = directory / "onprem.yaml"
+    path.write_text(text)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def accepts(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def end_group(process: subprocess.Popen | None) -> None:
+    """SIGTERM the process group a test started (then SIGKILL), by its pid."""
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Cluster:
+    try:
+        testhosts.check_can_make_hosts()
+    except testhosts.HostsError as error:
+        pytest.skip(str(error))
+    state_before = {path for path in LAPTOP_RAY_STATE if path.exists()}
+    work = tmp_path_factory.mktemp("hosts")
+    hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
+    mlflow_server = tunnel = None
+    config = None
+    # The laptop's home: the cluster's token and the SSH key where onprem.yaml expects them.
+    home = work / "home"
+    (home / ".ssh").mkdir(parents=True)
+    shutil.copy(hosts.key, home / ".ssh" / "id_ed25519")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("RAY_", "MLFLOW_")) and key != "VIRTUAL_ENV"
+    }
+    env.update(HOME=str(home), PATH=f"{BIN}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0")
+    try:
+        subprocess.run(
+            [BIN / "ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True
+        )
+        mlflow_host = hosts.hosts[MLFLOW]
+        address = f"{mlflow_host.address}:{MLFLOW_PORT}"
+        mlflow_server = mlflow_host.popen(
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                mlflow_host.address,
+                "--port",
+                str(MLFLOW_PORT),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                "sqlite:////tmp/mlflow.db",
+                "--artifacts-destination",
+                "/tmp/mlartifacts",
+                # Clients name the server by its address; MLflow 3 refuses other Host headers.
+                "--allowed-hosts",
+                f"{address},{mlflow_host.address}",
+            ],
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(work / "mlflow.log", "wb"),  # noqa: SIM115 - the server keeps it
+        )
+        config = filled_onprem_config(hosts, work)
+        started = time.monotonic()
+        up = subprocess.run(
+            [BIN / "ray", "up", "-y", "--no-config-cache", str(config)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert up.returncode == 0, f"ray up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+
+        # The head's autoscaler starts the workers over SSH after `ray up` returns.
+        def hosts_with_raylet() -> bool:
+            return all(
+                any("raylet" in cmd for cmd in ray_processes(host).values())
+                for host in hosts.hosts[:MLFLOW]
+            )
+
+        wait_until(hosts_with_raylet, 180, "a raylet on the head and both workers", interval=1)
+        ray_up_s = time.monotonic() - started
+        port = free_port()
+        tunnel = subprocess.Popen(
+            [BIN / "ray", "dashboard", "--port", str(port), str(config)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        wait_until(lambda: accepts("127.0.0.1", port), 60, "the dashboard tunnel")
+        wait_until(lambda: accepts(mlflow_host.address, MLFLOW_PORT), 90, "the MLflow server")
+        yield Cluster(
+            hosts=hosts,
+            config=config,
+            env=env,
+            dashboard=f"http://127.0.0.1:{port}",
+            tracking_uri=f"http://{address}",
+            ray_up_s=ray_up_s,
+        )
+    finally:
+        end_group(tunnel)
+        if config is not None:
+            subprocess.run(
+                [BIN / "ray", "down", "-y", str(config)],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                timeout=120,
+            )
+        end_group(mlflow_server)
+        testhosts.down()
+        for path in LAPTOP_RAY_STATE:
+            if path not in state_before:
+                path.unlink(missing_ok=True)
+    # Nothing made here is left: namespaces, links, sshd and Ray processes (their namespaces are
+    # gone, so any left would show in the machine's own process list).
+    assert testhosts.leftovers() == []
+    assert not testhosts.STATE_DIR.exists()
+    left = [
+        f"{pid}: {cmd}"
+        for pid, cmd in ((pid, netns.cmdline(pid)) for pid in _all_pids())
+        if cmd and (str(testhosts.STATE_DIR) in cmd or "198.18.0." in cmd)
+    ]
+    assert left == [], f"processes of the test hosts are left: {left}"
+
+
+def _all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def test_ray_up_starts_a_head_and_two_workers_over_ssh(cluster: Cluster):
+    head = ray_processes(cluster.host(HEAD))
+    assert any("gcs_server" in cmd for cmd in head.values()), head
+    for index in (TWO_INTERFACES, WORKER):
+        worker = ray_processes(cluster.host(index))
+        assert any("raylet" in cmd for cmd in worker.values()), worker
+        assert not any("gcs_server" in cmd for cmd in worker.values()), worker
+    assert ray_processes(cluster.host(MLFLOW)) == {}
+    # Node-local state stays on its node: each host has its own /tmp/ray session.
+    sessions = {
+        host.address: os.path.realpath(host.path("/tmp/ray/session_latest"))
+        for host in cluster.ray_hosts
+    }
+    assert len(set(sessions.values())) == 3, sessions
+    # `ray up` ran the setup commands on every host: the environment file and the token.
+    for host in cluster.ray_hosts:
+        assert (
+            "MLFLOW_TRACKING_URI=http://198.18.0.5:5000"
+            in host.path("/root/.rayapp_env").read_text()
+        )
+        assert host.path("/root/.ray/auth_token").stat().st_mode & 0o777 == 0o600
+    print(f"ray up until every raylet ran: {cluster.ray_up_s:.1f} s")
+
+
+def assert_trained_across_hosts(cluster: Cluster, run, nodes: int) -> list[str]:
+    """The run's facts from the MLflow server: finished, `nodes` distinct hosts, Gloo on eth0."""
+    assert run.info.status == "FINISHED", run.info.status
+    ips = run.data.tags["rayapp.node_ips"].split(",")
+    assert len(ips) == nodes and len(set(ips)) == nodes, ips
+    assert set(ips) <= {host.address for host in cluster.ray_hosts}, ips
+    # Every rank's Gloo bound the interface holding its node's Ray address, not loopback (where
+    # the host name points) nor the second interface of the host that has two.
+    assert run.data.tags[TAG_SOCKET_IFNAMES].split(",") == ["eth0"] * nodes, run.data.tags
+    return ips
+
+
+def checkpoint_dirs(cluster: Cluster, run) -> list[Path]:
+    """The run's checkpoints as a worker host sees the shared directory."""
+    shared = cluster.host(WORKER).path(STORAGE)
+    return sorted(shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_*"))
+
+
+def test_submit_trains_across_hosts_into_the_remote_mlflow_server(cluster: Cluster):
+    result = cluster.submit(
+        "--nodes", "2", "--epochs", "4", "--experiment", "hosts-digits", "jobs/digits_mlp.yaml"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = cluster.only_run("hosts-digits")
+    assert_trained_across_hosts(cluster, run, nodes=2)
+    assert run.data.metrics["test_accuracy"] >= 0.9, run.data.metrics
+    history = cluster.mlflow().get_metric_history(run.info.run_id, "loss")
+    assert sorted(point.step for point in history) == [0, 1, 2, 3]
+    checkpoints = checkpoint_dirs(cluster, run)
+    assert checkpoints, f"no checkpoint of run {run.info.run_id} under {STORAGE}"
+    assert any(path.is_file() for path in checkpoints[-1].rglob("*"))
+
+
+def test_users_code_directory_reaches_hosts_without_the_laptops_files(cluster: Cluster):
+    # All three Ray hosts, so the one with two interfaces trains too.
+    result = cluster.submit(
+        "--nodes", "3", "--epochs", "2", "--experiment", "hosts-cnn", "examples/cnn_digits/job.yaml"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = cluster.only_run("hosts-cnn")
+    ips = assert_trained_across_hosts(cluster, run, nodes=3)
+    assert cluster.host(TWO_INTERFACES).address in ips
+    assert "test_accuracy" in run.data.metrics
+    # The user's modules were unpacked into each host's own /tmp by Ray, from the job's upload.
+    for host in cluster.ray_hosts:
+        unpacked = list(
+            host.path("/tmp/ray/session_latest/runtime_resources").rglob("digits_cnn.py")
+        )
+        assert unpacked, f"examples/cnn_digits did not reach {host.address}"
+
+
+def test_a_worker_host_lost_mid_run_resumes_from_the_shared_checkpoint(cluster: Cluster):
+    experiment = "hosts-lost-node"
+    submit = subprocess.Popen(
+        [
+            sys.executable, "-m", "rayapp", "submit", "--address", cluster.dashboard,
+            "--tracking-uri", cluster.tracking_uri, "--storage-path", STORAGE,
+            "--nodes", "2", "--epochs", "6", "--max-failures", "2", "--checkpoint-every", "1",
+            "--experiment", experiment, "jobs/digits_mlp.yaml",
+        ],
+        cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        client = cluster.mlflow()
+
+        def two_epochs_logged():
+            found = client.get_experiment_by_name(experiment)
+            runs = client.search_runs([found.experiment_id]) if found else []
+            if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 2:
+                return runs[0]
+            return None
+
+        run = wait_until(two_epochs_logged, 180, "two logged epochs", interval=1)
+        placed = run.data.tags["rayapp.node_ips"].split(",")
+        victim = next(
+            cluster.host(i) for i in (TWO_INTERFACES, WORKER) if cluster.host(i).address in placed
+        )
+        killed = ray_processes(victim)
+        assert killed
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        output, _ = submit.communicate(timeout=240)
+    finally:
+        end_group(submit)
+    assert submit.returncode == 0, output[-4000:]
+    run = cluster.only_run(experiment)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rayapp.attempts"] == "2", run.data.tags
+    assert victim.address not in run.data.tags["rayapp.node_ips"].split(",")
+    assert_trained_across_hosts(cluster, run, nodes=2)
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(point.step for point in history) == list(range(6)), history
+    assert ray_processes(victim) == {}
+
+
+def test_ray_down_leaves_no_ray_process_on_any_host(cluster: Cluster):
+    down = subprocess.run(
+        [BIN / "ray", "down", "-y", str(cluster.config)],
+        cwd=REPO,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
+    for host in cluster.hosts.hosts:
+        wait_until(lambda h=host: ray_processes(h) == {}, 30, f"Ray to stop on {host.address}")
