@@ -68,9 +68,10 @@ FLAGS: tuple[tuple[str, str], ...] = (
     ("--system-metrics-interval", "tracking.system_metrics_s"),
     ("--working-dir", "cluster.working_dir"),
     ("--script", "train.script"),
+    ("--hang-timeout", "train.hang_timeout_s"),
 )
 """Flag and field, in the order `--help` lists them."""
-METAVARS = {"--nodes": "N|MIN:MAX"}
+METAVARS = {"--nodes": "N|MIN:MAX", "--hang-timeout": "SECONDS"}
 _TYPES: dict[str, type] = {"boolean": bool, "integer": int, "number": float}
 
 

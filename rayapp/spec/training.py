@@ -3,7 +3,7 @@ parallel strategy (with strategy pp's own options, ``train.pipeline``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass
@@ -14,6 +14,7 @@ from rayapp.spec.fields import (
     SECTION_CONFIG,
     ImportPath,
     NonBlank,
+    Number,
     PositiveNumber,
     Switch,
     Text,
@@ -29,6 +30,9 @@ Precision = Literal["fp32", "bf16", "fp16"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 WEAK_BATCH_SIZE = 64
+HangSeconds = Annotated[float, Field(ge=0), Number.__metadata__[0]]
+"""Seconds >= 0, read as a :data:`Number` is (the bound first, inside the type, so that it
+holds and shows in the JSON Schema where the field may also be none)."""
 
 
 @section("train")
@@ -108,6 +112,18 @@ class TrainSpec:
     )
     pipeline: PipelineSpec | None = Field(
         default=None, description="Strategy pp's stages, micro-batches and schedule."
+    )
+    hang_timeout_s: HangSeconds | None = Field(
+        default=None,
+        description="Seconds with no rank finishing a step before the run is called hung: every "
+        "rank's stack goes to MLflow (hang/), the ranks outside the collective the others wait in "
+        "are named, and the run restarts (max_failures) or fails; 0: off; default: 600 until the "
+        "first epoch ends, then 10x the longest pause between steps so far, at least 300.",
+    )
+    collective_timeout_s: PositiveNumber = Field(
+        default=1800,
+        description="Seconds a collective (all-reduce, barrier) may wait for its peers before it "
+        "raises (the process group's timeout): a lost peer fails the run instead of blocking it.",
     )
 
     @model_validator(mode="before")
