@@ -3,6 +3,7 @@ the torch.distributed backend, the cluster's address and checkpoint storage."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
@@ -21,12 +22,15 @@ from rayapp.spec.fields import (
 
 Backend = Literal["auto", "nccl", "gloo", "mpi"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+NODES_TEXT = r"\s*(\d+)(?::(\d+))?\s*"
+"""cluster.nodes as text: ``2``, or ``MIN:MAX`` (``1:2``) for elastic training."""
 
 
 def _count_or_range(schema: dict[str, Any]) -> None:
     """cluster.nodes in a job file: a whole number, or MIN:MAX text (split before validation)."""
     count = {"type": schema.pop("type"), "minimum": schema.pop("minimum")}
-    schema["anyOf"] = [count, {"type": "string", "format": "node-range", "pattern": r"^\d+:\d+$"}]
+    text = {"type": "string", "format": "node-range", "pattern": f"^{NODES_TEXT}$"}
+    schema["anyOf"] = [count, text]
 
 
 def size_label(low: int | None, high: int) -> str:
@@ -94,17 +98,17 @@ class ClusterSpec:
         if fields is None:
             return data
         nodes, min_nodes = fields.get("nodes"), fields.get("min_nodes")
-        if isinstance(nodes, str):
-            low, sep, high = nodes.strip().partition(":")
-            if not sep and low.lstrip("-").isdigit():
-                fields["nodes"] = int(low)
-            elif sep and low.isdigit() and high.isdigit():
-                if min_nodes is not None:
-                    raise SpecError(
-                        f"cluster.nodes: {nodes!r} gives a minimum and so does cluster.min_nodes "
-                        f"({min_nodes}); use one of them"
-                    )
-                fields["nodes"], fields["min_nodes"] = int(high), int(low)
+        given = re.fullmatch(NODES_TEXT, nodes) if isinstance(nodes, str) else None
+        low, high = given.groups() if given else (None, None)
+        if low is not None and high is None:
+            fields["nodes"] = int(low)
+        elif low is not None and high is not None:
+            if min_nodes is not None:
+                raise SpecError(
+                    f"cluster.nodes: {nodes!r} gives a minimum and so does cluster.min_nodes "
+                    f"({min_nodes}); use one of them"
+                )
+            fields["nodes"], fields["min_nodes"] = int(high), int(low)
         if type(fields.get("min_nodes")) is int and fields.get("min_nodes") == fields.get("nodes"):
             fields["min_nodes"] = None
         return with_fields(data, fields)

@@ -23,6 +23,9 @@ SECTION_CONFIG = ConfigDict(
     allow_inf_nan=False,
     validate_by_name=True,  # dataclasses.replace passes fields by name, job files by alias
     validate_by_alias=True,
+    # Python's own regular expressions, as the JSON Schema's readers use (their \s and \w differ
+    # from the Rust engine's at the edges).
+    regex_engine="python-re",
 )
 
 IMPORT_PATH = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"

@@ -54,7 +54,10 @@ def _unknown_key(root: Schema, path: str, loc: Any, error: ErrorDetails) -> Spec
         bad = error["input"]
     if not parent_key:
         return SpecError(f"{bad!r}: unknown top-level key; accepted keys are {keys}")
-    return SpecError(f"{parent_key}.{bad}: unknown key; accepted keys are {keys}")
+    plain = isinstance(bad, str) and bad.isprintable() and bad.strip() == bad != ""
+    return SpecError(
+        f"{parent_key}.{bad if plain else repr(bad)}: unknown key; accepted keys are {keys}"
+    )
 
 
 def field_schema(root: Schema, path: str) -> Schema:
