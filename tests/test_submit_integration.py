@@ -71,6 +71,8 @@ def test_seed_linear_on_two_nodes(workdir):
     node_ids = tags[TAG_NODE_IDS].split(",")
     assert len(node_ids) == 2 and len(set(node_ids)) == 2, node_ids
     assert sorted(tags[TAG_NODE_IPS].split(",")) == ["127.0.0.2", "127.0.0.3"]
+    # Gloo is pinned to the interface holding each node's Ray address: loopback here.
+    assert tags["rayapp.socket_ifnames"] == "lo,lo"
     assert tags[TAG_CLUSTER] == "local"
     assert "rayapp.torch_version" in tags and "rayapp.ray_version" in tags
 

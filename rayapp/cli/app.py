@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from rayapp.cli import cluster, jobs, runs, schema, submit
+from rayapp.cli import cluster, hosts, jobs, runs, schema, submit
 from rayapp.cli.common import CONTEXT_SETTINGS
 
 
@@ -36,5 +36,6 @@ for command in (
     jobs.stop,
     cluster.cluster,
     schema.schema,
+    hosts.hosts,
 ):
     main.add_command(command)

@@ -17,9 +17,9 @@ def run_here() -> int:
     which the command has nothing left to do: the caller ends the process with os._exit. Exit
     handlers still run, threads that are not daemons are waited for, and output is flushed, as at
     a normal exit."""
+    code: str | int | None = 0
     try:
         main(prog_name="rayapp")
-        code = 0
     except SystemExit as exc:
         code = exc.code
     if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, exit 1

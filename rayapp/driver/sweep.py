@@ -53,7 +53,7 @@ def run_sweep(
     options: SubmitOptions = SubmitOptions(),
     on_size_start: Callable[[int], None] = lambda n: None,
     on_size_done: Callable[[int, SubmitResult], None] = lambda n, r: None,
-    plot_path: Path | None = None,
+    plot_path: str | Path | None = None,
 ) -> SweepResult:
     """Run `base` at each node count; the parent run gets the comparison table and plot."""
     specs = [
@@ -97,7 +97,7 @@ def run_sweep(
 
 
 def _log_report(
-    tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: Path | None
+    tracking_uri: str, parent_run_id: str, summaries: list[RunSummary], plot_path: str | Path | None
 ) -> Path:
     """Table (markdown/csv/json) and plots as artifacts of the parent run; the scaling plot also
     saved locally."""

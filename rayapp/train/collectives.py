@@ -34,12 +34,19 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def placements(world_size: int) -> list[tuple[str, str]]:
-    """(Ray node id, node IP) of every rank, in rank order (a collective)."""
+def placements(world_size: int) -> list[tuple[str, str, str]]:
+    """(Ray node id, node IP, the interface Gloo/NCCL use) of every rank, in rank order (a
+    collective)."""
     import ray
 
-    mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-    gathered: list[tuple[str, str] | None] = [None] * world_size
+    from rayapp.train.socket_ifname import socket_ifnames
+
+    mine = (
+        ray.get_runtime_context().get_node_id(),
+        ray.util.get_node_ip_address(),
+        socket_ifnames(),
+    )
+    gathered: list[tuple[str, str, str] | None] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered  # type: ignore[return-value]
 

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from rayapp.spec import JobSpec
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, TAG_NODE_IPS
-from rayapp.train import checkpoint, collectives, system_metrics
+from rayapp.train import checkpoint, collectives, socket_ifname, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
 from rayapp.train.efficiency import EpochEfficiency
@@ -371,12 +371,13 @@ class TrainContext:
         placed = collectives.placements(self.world_size)
         self.logger.set_tags(
             {
-                TAG_NODE_IDS: ",".join(node_id for node_id, _ in placed),
-                TAG_NODE_IPS: ",".join(ip for _, ip in placed),
+                TAG_NODE_IDS: ",".join(node_id for node_id, _, _ in placed),
+                TAG_NODE_IPS: ",".join(ip for _, ip, _ in placed),
+                socket_ifname.TAG_SOCKET_IFNAMES: ",".join(ifname for _, _, ifname in placed),
                 TAG_ATTEMPTS: str(self._attempt),
             }
         )
-        nodes_used = len({node_id for node_id, _ in placed})
+        nodes_used = len({node_id for node_id, _, _ in placed})
         if self.spec.cluster.elastic and self.is_chief:
             self.config.say(
                 f"elastic ({self.spec.cluster.nodes_label} nodes): training on "
