@@ -5,7 +5,8 @@ strategy applied to the model (``ctx.prepare``), this rank's shard of a data set
 (``ctx.loader``), the epochs still to run after a restart with the model, optimizer and LR
 schedule restored (``ctx.epochs``), the step timers and mixed precision (``ctx.compute``,
 ``ctx.autocast``), and one MLflow run to log into (``ctx.log_epoch``). Everything else is
-ordinary PyTorch, in nanoGPT's style: AdamW, linear warm-up then cosine decay, gradient clipping.
+ordinary PyTorch, in nanoGPT's style: AdamW, linear warm-up then cosine decay, gradient clipping,
+and, with ``train.args.patience``, early stopping on the validation loss.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def train_loop(ctx) -> None:
         optimizer, lambda step: cosine_with_warmup(step, warmup=warmup, total=total_steps)
     )
     tokens_per_batch = train_loader.batch_size * config.block_size * ctx.world_size
+    patience = args.get("patience")  # epochs without a better val_loss before stopping; none: off
+    best_val_loss, epochs_without_better = math.inf, 0
 
     # -- the epoch loop: epochs done before a restart are skipped, the schedule resumes with them
     for _epoch in ctx.epochs(model, optimizer, schedule=schedule):
@@ -95,13 +98,21 @@ def train_loop(ctx) -> None:
             steps += 1
         train_s = time.perf_counter() - started
 
+        val_loss = validation_loss(ctx, model, val_loader, int(args.get("val_batches", 20)))
         ctx.log_epoch(
             {
                 "loss": ctx.mean(loss_sum / max(steps, 1)),
-                "val_loss": validation_loss(
-                    ctx, model, val_loader, int(args.get("val_batches", 20))
-                ),
+                "val_loss": val_loss,
                 "tokens_per_s": steps * tokens_per_batch / train_s,
                 "lr": schedule.get_last_lr()[0],
             }
         )
+
+        # -- early stopping: val_loss is averaged over the ranks, so every rank decides alike and
+        # breaks at the same epoch; rayapp still logs and checkpoints this last one
+        if val_loss < best_val_loss:
+            best_val_loss, epochs_without_better = val_loss, 0
+        else:
+            epochs_without_better += 1
+        if patience is not None and epochs_without_better >= int(patience):
+            break
