@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,14 +93,33 @@ def run_checked(argv: list[str]) -> None:
         raise HostsError(f"`{' '.join(argv)}` failed: {reason}")
 
 
+HOLDER_MARK = "rayapp-testhost-init"
+"""In every holder's command line, so a leftover one is recognised."""
+# The holder is the host's init (pid 1 of its pid namespace): it reaps the orphans that daemons
+# such as `ray start` leave, and its end ends every process of the host.
+_INIT = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+open(sys.argv[1], "w").close()
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        time.sleep(1)
+"""
+
+
 def start_holder(name: str, setup: list[str], *, ready: Path, timeout_s: float = 20.0) -> int:
-    """A process that keeps network namespace `name` and a private mount namespace alive (the
-    shell commands in `setup` run in them first); its pid, once `ready` exists. Mounts made in
-    the private mount namespace vanish with it, and never show outside it."""
-    script = " && ".join([*setup, f"touch {ready}", "exec sleep infinity"])
-    holder = subprocess.Popen(
-        ["nsenter", f"--net=/run/netns/{name}", "--", "unshare", "--mount"]
-        + ["--propagation", "private", "--", "/bin/sh", "-c", script],
+    """The init process of a host: in network namespace `name`, and in a mount and a pid
+    namespace of its own (so `ray stop` on the host sees only the host's processes), after the
+    shell commands in `setup` ran there. Returns its pid (as this machine numbers it) once
+    `ready` exists. Mounts made in the private mount namespace never show outside it and vanish
+    with it; when it ends the kernel ends every process of its pid namespace."""
+    script = " && ".join([*setup, f'exec "$0" -c "$1" "$2" {HOLDER_MARK}'])
+    launcher = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{name}", "--", "unshare", "--mount", "--pid", "--fork"]
+        + ["--mount-proc", "--propagation", "private", "--", "/bin/sh", "-c", script]
+        + [sys.executable, _INIT, str(ready)],
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -107,13 +127,16 @@ def start_holder(name: str, setup: list[str], *, ready: Path, timeout_s: float =
     )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
-        if holder.poll() is not None:
-            error = (holder.stderr.read() if holder.stderr else b"").decode().strip()
+        if launcher.poll() is not None:
+            error = (launcher.stderr.read() if launcher.stderr else b"").decode().strip()
             reason = error.splitlines()[-1] if error else "no reason given"
             raise HostsError(
-                f"could not make test host {name}: {reason} (are mount namespaces forbidden here?)"
+                f"could not make test host {name}: {reason} (are mount or pid namespaces "
+                "forbidden here?)"
             )
         if time.monotonic() > deadline:
             raise HostsError(f"test host {name} was not ready after {timeout_s:g} s")
         time.sleep(0.05)
-    return holder.pid
+    # unshare --fork waits for its one child: the init
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    return int(children[0])

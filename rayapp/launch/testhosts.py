@@ -8,7 +8,8 @@ Debian's sshd accepting a key made for the set, so `ray up` reaches the hosts ex
 machines. The hosts keep the machine's host name, which resolves to loopback as on stock
 Debian/Ubuntu. One host may get a second interface on a second bridge that routes nowhere else.
 
-A host lives as long as one holder process (``sleep infinity`` in the host's namespaces); commands
+A host lives as long as its holder, the init of its own pid namespace (so `ray stop` on a host
+sees that host's processes only, and ending the holder ends them all); commands
 enter it with ``nsenter``. Everything made is named with :data:`PREFIX` and recorded in a state
 file, so :func:`down` (and the next :func:`up`) removes it even after a crash: every process in a
 host's network namespace (by pid), the namespaces, the links, the directories.
@@ -41,6 +42,8 @@ LAPTOP_ADDRESS = f"{SUBNET}.1"
 PREFIX_LEN = 25
 """Hosts use 198.18.0.0/25; the second interface, 198.18.0.128/25, which no other host routes to."""
 ISOLATED_OFFSET = 128
+REAL_HOME = Path("/root")
+"""Root's home, which every host replaces with one of its own."""
 SHARED_DIR = Path("/mnt/rayapp-shared")
 """Mounted at this path on every host (onprem.yaml's NFS mount point)."""
 STATE_DIR = Path(os.environ.get("RAYAPP_TESTHOSTS_DIR", "/var/tmp/rayapp-testhosts"))
@@ -74,7 +77,7 @@ class TestHost:
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` as run inside this host (its network and mount namespaces)."""
-        return ["nsenter", "-t", str(self.holder_pid), "-m", "-n", "--", *argv]
+        return ["nsenter", "-t", str(self.holder_pid), "-m", "-n", "-p", "--", *argv]
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         kwargs.setdefault("capture_output", True)
@@ -91,13 +94,12 @@ class TestHost:
         return netns.netns_pids(self.name)
 
     def processes(self) -> dict[int, str]:
-        """pid -> command line of every process in this host but the holder."""
+        """pid -> command line of every process in this host but the holder (and its launcher)."""
         found = {}
         for pid in self.pids():
-            if pid != self.holder_pid:
-                cmdline = netns.cmdline(pid)
-                if cmdline is not None:
-                    found[pid] = cmdline
+            cmdline = netns.cmdline(pid)
+            if cmdline is not None and netns.HOLDER_MARK not in cmdline:
+                found[pid] = cmdline
         return found
 
     def path(self, inside: str | Path) -> Path:
@@ -204,7 +206,7 @@ def down() -> list[str]:
         if name.startswith(PREFIX):
             netns.end_processes(netns.netns_pids(name))
     for host in state.get("hosts", []):
-        netns.end_processes([host["holder_pid"]], expect="sleep")
+        netns.end_processes([host["holder_pid"]], expect=netns.HOLDER_MARK)
     # The machine's ends of the veth pairs (and the bridges) first: deleting a namespace removes
     # its ends, and with them the pairs, only some time later.
     for link in netns.list_links():
@@ -304,12 +306,23 @@ def _start_holder(name: str, home_of: Path, shared: Path, python_env: Path, key:
             shutil.copy(skeleton, home / dotfile)
     # Ray, torch and rayapp "installed" on the host where onprem.yaml's setup looks for them.
     (home / "rayapp-venv").symlink_to(python_env)
+    # An interpreter under root's own home (pyenv, uv) stays reachable, read-only, at its path.
+    interpreter_mounts = []
+    for needed in sorted({Path(sys.base_prefix).resolve(), python_env.resolve()}):
+        if needed.is_relative_to(REAL_HOME):
+            inside = home / needed.relative_to(REAL_HOME)
+            inside.mkdir(parents=True, exist_ok=True)
+            interpreter_mounts += [
+                f"mount --bind {needed} {inside}",
+                f"mount -o remount,bind,ro {inside}",
+            ]
     return netns.start_holder(
         name,
         [
             f"mount --bind {tmp} /tmp",
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-            f"mount --bind {home} /root",
+            *interpreter_mounts,
+            f"mount --rbind {home} {REAL_HOME}",
             f"mkdir -p {SHARED_DIR}",
             f"mount --bind {shared} {SHARED_DIR}",
             "mkdir -p /run/sshd",
