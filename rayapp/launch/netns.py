@@ -21,6 +21,10 @@ def make_bridge(name: str, address: str | None) -> None:
     run_checked(["ip", "link", "add", name, "type", "bridge"])
     if address:
         run_checked(["ip", "addr", "add", address, "dev", name])
+    # Nothing that comes in on it is routed on (whatever the machine's ip_forward), and no
+    # address of another network is answered for on it.
+    for setting, value in (("forwarding", "0"), ("proxy_arp", "0")):
+        Path(f"/proc/sys/net/ipv4/conf/{name}/{setting}").write_text(value)
     run_checked(["ip", "link", "set", name, "up"])
 
 

@@ -288,7 +288,10 @@ def _make_network(name: str, number: int, isolated_address: str | None) -> None:
     netns.run_checked([*ns, "addr", "add", f"{SUBNET}.{number}/{PREFIX_LEN}", "dev", "eth0"])
     netns.run_checked([*ns, "link", "set", "eth0", "up"])
     netns.run_checked([*ns, "link", "set", "lo", "up"])
-    # Only the connected subnets are routed: no default route, so nothing leaves these networks.
+    # A default route on the bridge, with no gateway: Ray finds a node's address as the source
+    # of the route to a public address, as on a real machine. Nothing answers for other
+    # addresses there, and the machine forwards nothing from the bridges (_make_bridge).
+    netns.run_checked([*ns, "route", "add", "default", "dev", "eth0"])
 
 
 def _start_holder(name: str, home_of: Path, shared: Path, python_env: Path, key: Path) -> int:
