@@ -5,6 +5,7 @@ Schema that ``rayapp schema`` prints, so a field's rules are written once."""
 from __future__ import annotations
 
 import functools
+import reprlib
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -20,6 +21,8 @@ FORMATS = {
 }
 """What the custom ``format`` of a string field accepts, in words."""
 _UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden", "invalid_key")
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80  # a bad value of any size keeps the message one short line
 
 
 @functools.cache
@@ -40,24 +43,22 @@ def spec_error(exc: ValidationError, cls: type, path: str = "") -> SpecError:
         return _unknown_key(root, path, loc, error)
     key, field = _walk(root, path, loc)
     if loc and loc[-1] == "[key]":  # a mapping's key that is not text
-        return SpecError(f"{key}: key {error['input']!r} is not accepted; use text keys")
+        return SpecError(f"{key}: key {_SHOWN.repr(error['input'])} is not accepted; use text keys")
     if error["type"] == "missing":
         return SpecError(f"{key}: missing; use {accepted(field, root)}")
-    return SpecError(f"{key}: {error['input']!r} is not accepted; use {accepted(field, root)}")
+    shown = _SHOWN.repr(error["input"])
+    return SpecError(f"{key}: {shown} is not accepted; use {accepted(field, root)}")
 
 
 def _unknown_key(root: Schema, path: str, loc: Any, error: ErrorDetails) -> SpecError:
     parent_key, parent = _walk(root, path, loc[:-1])
     keys = ", ".join(_resolve(parent, root).get("properties", {}))
-    bad = loc[-1] if loc else error["input"]
-    if error["type"] == "invalid_key":
-        bad = error["input"]
+    bad = error["input"] if error["type"] == "invalid_key" or not loc else loc[-1]
     if not parent_key:
-        return SpecError(f"{bad!r}: unknown top-level key; accepted keys are {keys}")
+        return SpecError(f"{_SHOWN.repr(bad)}: unknown top-level key; accepted keys are {keys}")
     plain = isinstance(bad, str) and bad.isprintable() and bad.strip() == bad != ""
-    return SpecError(
-        f"{parent_key}.{bad if plain else repr(bad)}: unknown key; accepted keys are {keys}"
-    )
+    shown = bad if plain and len(bad) <= 80 else _SHOWN.repr(bad)
+    return SpecError(f"{parent_key}.{shown}: unknown key; accepted keys are {keys}")
 
 
 def field_schema(root: Schema, path: str) -> Schema:
