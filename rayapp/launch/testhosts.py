@@ -28,27 +28,24 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from rayapp.launch import netns
+from rayapp.launch import netns, testhost_setup
 from rayapp.launch.netns import HostsError
+from rayapp.launch.testhost_setup import (
+    BRIDGE,
+    ISOLATED_BRIDGE,
+    ISOLATED_OFFSET,
+    LAPTOP_ADDRESS,
+    PREFIX,
+    PREFIX_LEN,
+    SHARED_DIR,
+    SSHD,
+    SUBNET,
+)
 
-PREFIX = "rayapp-"
-"""Names of the namespaces and links made here start with it (links are at most 15 characters)."""
-BRIDGE = PREFIX + "br0"
-ISOLATED_BRIDGE = PREFIX + "br1"
-SUBNET = "198.18.0"
-"""198.18.0.0/15 is reserved for benchmark testing (RFC 2544): no real network uses it."""
-LAPTOP_ADDRESS = f"{SUBNET}.1"
-PREFIX_LEN = 25
-"""Hosts use 198.18.0.0/25; the second interface, 198.18.0.128/25, which no other host routes to."""
-ISOLATED_OFFSET = 128
-REAL_HOME = Path("/root")
-"""Root's home, which every host replaces with one of its own."""
-SHARED_DIR = Path("/mnt/rayapp-shared")
-"""Mounted at this path on every host (onprem.yaml's NFS mount point)."""
 STATE_DIR = Path(os.environ.get("RAYAPP_TESTHOSTS_DIR", "/var/tmp/rayapp-testhosts"))
 MAX_HOSTS = 100
-SSHD = "/usr/sbin/sshd"
 SSH_OPTIONS = (
     "-o",
     "StrictHostKeyChecking=no",
@@ -79,13 +76,13 @@ class TestHost:
         """`argv` as run inside this host (its network and mount namespaces)."""
         return ["nsenter", "-t", str(self.holder_pid), "-m", "-n", "-p", "--", *argv]
 
-    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         kwargs.setdefault("timeout", 60)
         return subprocess.run(self.command(argv), **kwargs)
 
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """A long-running command in this host, in a process group of its own."""
         return subprocess.Popen(self.command(argv), start_new_session=True, **kwargs)
 
@@ -117,7 +114,9 @@ class TestHosts:
 
     __test__ = False
 
-    def ssh(self, host: TestHost, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def ssh(
+        self, host: TestHost, command: str, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """`command` run on `host` over SSH from the machine itself, as `ray up` would."""
         return subprocess.run(
             ["ssh", *SSH_OPTIONS, "-i", str(self.key), f"{self.user}@{host.address}", command],
@@ -126,7 +125,7 @@ class TestHosts:
             timeout=timeout,
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "hosts": [dataclasses.asdict(host) for host in self.hosts],
             "key": str(self.key),
@@ -249,8 +248,8 @@ def _make(
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     made_shared_dir = not SHARED_DIR.exists()
-    state = {"owner_pid": owner_pid, "key": str(key), "shared_dir": str(SHARED_DIR)}
-    state.update(hosts=[], made_shared_dir=made_shared_dir)
+    state: dict[str, Any] = {"owner_pid": owner_pid, "key": str(key), "hosts": []}
+    state.update(shared_dir=str(SHARED_DIR), made_shared_dir=made_shared_dir)
     _write_state(state)
 
     netns.make_bridge(BRIDGE, f"{LAPTOP_ADDRESS}/{PREFIX_LEN}")
@@ -262,105 +261,22 @@ def _make(
         number = index + 2
         name = f"{PREFIX}h{number}"
         isolated = f"{SUBNET}.{ISOLATED_OFFSET + number}" if index == isolated_on else None
-        _make_network(name, number, isolated)
-        holder = _start_holder(name, STATE_DIR / name, shared, python_env, key)
+        testhost_setup.make_network(name, number, isolated)
+        holder = testhost_setup.start_host_init(name, STATE_DIR / name, shared, python_env, key)
         host = TestHost(name, f"{SUBNET}.{number}", holder, isolated)
         hosts.append(host)
         state["hosts"] = [dataclasses.asdict(h) for h in hosts]
         _write_state(state)
-        _start_sshd(host, STATE_DIR / name, host_key, key)
+        host.popen(
+            testhost_setup.sshd_command(host.address, STATE_DIR / name, host_key),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(STATE_DIR / name / "sshd.log", "wb"),  # noqa: SIM115 - sshd keeps it
+        )
     made = TestHosts(hosts=hosts, key=key)
     for host in hosts:
         _wait_for_ssh(made, host)
     return made
-
-
-def _make_network(name: str, number: int, isolated_address: str | None) -> None:
-    netns.run_checked(["ip", "netns", "add", name])
-    ns = ["ip", "-n", name]
-    if isolated_address:
-        # Made first, so it is the host's first interface: choosing "the first one that is not
-        # loopback" would pick it, and fail.
-        netns.add_veth(name, f"{PREFIX}i{number}", ISOLATED_BRIDGE, "eth1")
-        netns.run_checked([*ns, "addr", "add", f"{isolated_address}/{PREFIX_LEN}", "dev", "eth1"])
-        netns.run_checked([*ns, "link", "set", "eth1", "up"])
-    netns.add_veth(name, f"{PREFIX}v{number}", BRIDGE, "eth0")
-    netns.run_checked([*ns, "addr", "add", f"{SUBNET}.{number}/{PREFIX_LEN}", "dev", "eth0"])
-    netns.run_checked([*ns, "link", "set", "eth0", "up"])
-    netns.run_checked([*ns, "link", "set", "lo", "up"])
-    # A default route on the bridge, with no gateway: Ray finds a node's address as the source
-    # of the route to a public address, as on a real machine. Nothing answers for other
-    # addresses there, and the machine forwards nothing from the bridges (_make_bridge).
-    netns.run_checked([*ns, "route", "add", "default", "dev", "eth0"])
-
-
-def _start_holder(name: str, home_of: Path, shared: Path, python_env: Path, key: Path) -> int:
-    """The process whose namespaces are the host: a private /tmp, /dev/shm and home; the shared
-    directory at SHARED_DIR. Mounts made in a private mount namespace vanish with it."""
-    tmp, home = home_of / "tmp", home_of / "root"
-    for directory in (tmp, home / ".ssh"):
-        directory.mkdir(parents=True)
-    tmp.chmod(0o1777)
-    home.chmod(0o700)
-    (home / ".ssh" / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
-    for dotfile in (".bashrc", ".profile"):
-        skeleton = Path("/etc/skel") / dotfile
-        if skeleton.exists():
-            shutil.copy(skeleton, home / dotfile)
-    # Ray, torch and rayapp "installed" on the host where onprem.yaml's setup looks for them.
-    (home / "rayapp-venv").symlink_to(python_env)
-    # An interpreter under root's own home (pyenv, uv) stays reachable, read-only, at its path.
-    interpreter_mounts = []
-    for needed in sorted({Path(sys.base_prefix).resolve(), python_env.resolve()}):
-        if needed.is_relative_to(REAL_HOME):
-            inside = home / needed.relative_to(REAL_HOME)
-            inside.mkdir(parents=True, exist_ok=True)
-            interpreter_mounts += [
-                f"mount --bind {needed} {inside}",
-                f"mount -o remount,bind,ro {inside}",
-            ]
-    return netns.start_holder(
-        name,
-        [
-            f"mount --bind {tmp} /tmp",
-            "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-            *interpreter_mounts,
-            f"mount --rbind {home} {REAL_HOME}",
-            f"mkdir -p {SHARED_DIR}",
-            f"mount --bind {shared} {SHARED_DIR}",
-            "mkdir -p /run/sshd",
-        ],
-        ready=home_of / "ready",
-    )
-
-
-def _start_sshd(host: TestHost, home_of: Path, host_key: Path, key: Path) -> None:
-    config = home_of / "sshd_config"
-    config.write_text(
-        "\n".join(
-            [
-                f"ListenAddress {host.address}",
-                f"HostKey {host_key}",
-                f"PidFile {home_of / 'sshd.pid'}",
-                "PermitRootLogin prohibit-password",
-                "PubkeyAuthentication yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                # `ray up` opens many sessions at once; the default refuses some at random
-                "MaxStartups 100",
-                "MaxSessions 100",
-                "AcceptEnv LANG LC_*",
-                "",
-            ]
-        )
-    )
-    host.popen(
-        [SSHD, "-D", "-e", "-f", str(config)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(home_of / "sshd.log", "wb"),  # noqa: SIM115 - the child keeps it
-    )
 
 
 def _wait_for_ssh(hosts: TestHosts, host: TestHost) -> None:
@@ -393,14 +309,15 @@ def _state_file() -> Path:
     return STATE_DIR / "state.json"
 
 
-def _read_state() -> dict | None:
+def _read_state() -> dict[str, Any] | None:
     try:
-        return json.loads(_state_file().read_text())
+        state: dict[str, Any] = json.loads(_state_file().read_text())
+        return state
     except (OSError, ValueError):
         return None
 
 
-def _write_state(state: dict) -> None:
+def _write_state(state: dict[str, Any]) -> None:
     temporary = _state_file().with_suffix(".tmp")
     temporary.write_text(json.dumps(state, indent=1))
     temporary.replace(_state_file())

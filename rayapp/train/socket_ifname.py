@@ -33,7 +33,7 @@ def interface_holding(address: str) -> str | None:
         for entry in addresses:
             if entry.family in (socket.AF_INET, socket.AF_INET6):
                 if entry.address.split("%")[0] == wanted:
-                    return name
+                    return str(name)
     return None
 
 
@@ -44,7 +44,7 @@ def pin_socket_interfaces() -> None:
     try:
         import ray
 
-        name = interface_holding(ray.util.get_node_ip_address())
+        name = interface_holding(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # noqa: BLE001 - see the docstring
         return
     if name is None:  # an address behind NAT that no interface here holds: leave the libraries be
