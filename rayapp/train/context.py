@@ -84,7 +84,7 @@ class TrainContext:
         self._trained: nn.Module | None = None
         self._last_epoch: int | None = None
         # The epoch a `break` left: its logging and checkpoint wait for the loop to return.
-        self._left_epoch: tuple[nn.Module, Any, Mapping[str, Any]] | None = None
+        self._left_epoch: tuple[int, nn.Module, Any, Mapping[str, Any]] | None = None
         self._stop_requested = False
         self._attempt = 1
         self._stepper = Stepper(
@@ -209,7 +209,7 @@ class TrainContext:
         start = self._resume(model, optimizer, stateful)
         for epoch in range(start, self.spec.train.epochs):
             self._start_epoch(epoch)
-            self._left_epoch = (model, optimizer, stateful)
+            self._left_epoch = (epoch, model, optimizer, stateful)
             try:
                 yield epoch
             except GeneratorExit:
@@ -220,7 +220,7 @@ class TrainContext:
                 self._leave_epoch(model)
                 raise
             self._left_epoch = None
-            if self._end_epoch(model, optimizer, stateful, leaving=False):
+            if self._end_epoch(epoch, model, optimizer, stateful, leaving=False):
                 break
         self._trained = model
         self._epoch = None
@@ -236,9 +236,9 @@ class TrainContext:
         collective, as at every epoch's end). rayapp calls it on every rank."""
         if self._left_epoch is None:
             return
-        model, optimizer, stateful = self._left_epoch
+        epoch, model, optimizer, stateful = self._left_epoch
         self._leave_epoch(model)
-        self._end_epoch(model, optimizer, stateful, leaving=True)
+        self._end_epoch(epoch, model, optimizer, stateful, leaving=True)
         self._epoch = None
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
@@ -418,7 +418,13 @@ class TrainContext:
             self._epoch_stopped = time.perf_counter()
 
     def _end_epoch(
-        self, model: nn.Module, optimizer, stateful: Mapping[str, Any], *, leaving: bool
+        self,
+        epoch: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        stateful: Mapping[str, Any],
+        *,
+        leaving: bool,
     ) -> bool:
         """Time, checkpoint and log the current epoch on every rank; returns whether the ranks
         agreed to stop after it (one rank's `break` or :meth:`stop` is enough)."""
@@ -461,7 +467,6 @@ class TrainContext:
                 rank=self.rank,
             )
         )
-        epoch = self._epoch
         self._history.append(metrics)
         # -- checkpoint first, then MLflow: a failure between them re-logs from the checkpoint on
         # resume
