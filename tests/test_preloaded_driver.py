@@ -1,4 +1,5 @@
-"""The preloaded driver's server forks only while it runs one thread.
+"""The preloaded driver's server forks only while it runs one thread; the command's signals
+reach the child that runs it, or the command itself when the server declines.
 
 A real server process (`python -m rayapp.cli.preloaded_server`) with its real imports, and
 requests sent over its socket as the `rayapp` command sends them. No Ray cluster: whether the
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from rayapp.launch.preloaded_signals import FORWARDED, Forwarder
 
 # Loaded by the server at its start (PYTHONPATH): SIGUSR1 makes it start a second thread, as a
 # library that starts a thread pool or a background thread would.
@@ -98,3 +102,36 @@ def test_the_server_forks_with_one_thread_and_declines_with_two(tmp_path):
         server.wait(timeout=10)
         log.close()
     assert not socket_path.exists()  # SIGTERM ends it and removes its socket
+
+
+@pytest.fixture
+def handlers_kept():
+    """This process's handlers of the forwarded signals, put back after the test."""
+    kept = {signum: signal.getsignal(signum) for signum in FORWARDED}
+    yield kept
+    for signum, handler in kept.items():
+        signal.signal(signum, handler)
+
+
+def test_signals_before_the_child_is_known_are_held_then_forwarded(handlers_kept):
+    """Ctrl-C or SIGTERM that comes while the server answers is neither lost nor handled here."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    forwarder = Forwarder()
+    try:
+        forwarder.install()
+        signal.raise_signal(signal.SIGTERM)  # held: this process goes on
+        assert child.poll() is None
+        forwarder.forward_to(child.pid)
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_a_held_ctrl_c_is_raised_here_when_the_command_runs_here(handlers_kept):
+    forwarder = Forwarder()
+    forwarder.install()
+    signal.raise_signal(signal.SIGINT)  # held while the server was asked
+    with pytest.raises(KeyboardInterrupt):
+        forwarder.restore()  # it declined: the previous handler back, and the Ctrl-C with it
+    assert signal.getsignal(signal.SIGINT) is handlers_kept[signal.SIGINT]
