@@ -1,0 +1,39 @@
+"""rayapp.launch.processes on real processes: a tree with a child in a session of its own (as Ray
+starts its workers) is found whole, killed whole, and a recorded start time no longer matches
+once its process has gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from rayapp.launch.processes import descendants, kill_and_wait, start_time
+
+
+def test_a_tree_is_found_and_killed_whole():
+    # bash waits on two sleeps, one of them in a new session (not in bash's process group)
+    parent = subprocess.Popen(["bash", "-c", "sleep 60 & setsid sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := descendants([parent.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(found) == 2, found
+        assert all(started == start_time(pid) for pid, started in found.items())
+        assert start_time(parent.pid) is not None
+
+        kill_and_wait(found, timeout_s=10)
+        assert all(start_time(pid) is None for pid in found)  # gone, or an unreaped zombie
+        parent.wait(timeout=10)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_start_time_tells_a_process_from_an_exited_one():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert start_time(child.pid) is None
+    assert start_time(os.getpid()) == start_time(os.getpid())
+    assert descendants([child.pid]) == {}
