@@ -81,6 +81,7 @@ class DeviceTimer(HostTimer):
     all-reduce: there every rank waits for the slowest, so whole steps take equally long on every
     rank, and only the part before the wait tells a straggler apart. Where no gradient-ready mark
     comes (no hooked parameter, e.g. a loop rayapp holds no model of), it runs to the compute's end.
+    Under FSDP a shard's gradient is ready only after its reduce-scatter, so that wait is inside.
 
     start()/stop() bracket the compute phase; mark_step_begin() marks the batch request and
     mark_ready() the gradients (both optional). Marks are read every `read_every` steps and when
