@@ -172,10 +172,13 @@ class MlflowServer:
         *,
         app_name: str | None = None,
         env: dict | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         from rayapp.launch.cluster import free_port
 
         self.app_name, self.env = app_name, env or {}
+        self.extra_args = extra_args
+        """More `mlflow server` flags, e.g. ("--allowed-hosts", "mlflow.internal")."""
         self.directory = directory
         self.port = port or free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
@@ -203,6 +206,7 @@ class MlflowServer:
                 "--workers",
                 "1",
                 *(["--app-name", self.app_name] if self.app_name else []),
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -300,6 +300,13 @@ def test_submit_streams_and_logs_to_the_tracking_server(stack, tmp_path):
         assert f"{command}{STATE['job']}" in result.stdout, output(result)
     assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout, output(result)
     assert f"job {STATE['job']} SUCCEEDED" in result.stdout, output(result)
+    # rayapp went with the job, and the job's driver checked every node before training.
+    from ray.job_submission import JobSubmissionClient
+
+    runtime_env = JobSubmissionClient(dashboard_url).get_job_info(STATE["job"]).runtime_env
+    shipped = runtime_env.get("py_modules") or []
+    assert len(shipped) == 1 and shipped[0].startswith("gcs://"), runtime_env
+    assert "checking from every node" in result.stdout, output(result)
 
     [run] = mlflow_runs(mlflow_url, "rayapp")
     assert run.info.status == "FINISHED"
