@@ -44,7 +44,7 @@ def _median_or_nan(values: Iterable[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def time_breakdown(client: MlflowClient, run_id: str, epoch_time_s: float) -> dict[str, float]:
+def time_breakdown(client: MlflowClient, run_id: str, epoch_time_s: float) -> dict[str, Any]:
     """compute_s, comm_s, data_s and other_s of the median steady epoch (see RunSummary)."""
     steady = steady_epochs(client, run_id)
     compute = _steady_history(client, run_id, "compute_time_s", steady)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,9 +165,10 @@ class DeviceTimer(HostTimer):
 
 
 def _seconds(start: Mark, end: Mark | None) -> float:
-    if isinstance(start, float):
-        return end - start  # type: ignore[operator]
-    return start.elapsed_time(end) / 1000.0
+    if isinstance(start, float) and isinstance(end, float):
+        return end - start
+    assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
+    return float(start.elapsed_time(end)) / 1000.0
 
 
 class DdpCommClock:
@@ -198,11 +200,11 @@ class DdpCommClock:
         self._spans_ns: list[int] = []  # sampled this epoch
         self._latest_mean_ns: float | None = None  # for an epoch too short for a sample
         self._epoch_synced_steps = 0
-        self.logger_reads = 0
         self._working = self._ddp_logger is not None
         if self._working:
             try:
-                ddp_model._set_ddp_runtime_logging_sample_rate(every)
+                ddp: Any = ddp_model  # a DistributedDataParallel here, whatever nn.Module says
+                ddp._set_ddp_runtime_logging_sample_rate(every)
             except (AttributeError, RuntimeError, ValueError):
                 self._working = False
 
@@ -219,12 +221,12 @@ class DdpCommClock:
         self._epoch_synced_steps += 1
         if not self.sampled(self._synced_steps):
             return
-        self.logger_reads += 1
         try:
             # DDP itself records a sampled iteration's figures at the next forward pass; recording
             # them now keeps an epoch's last sample in that epoch.
-            self._ddp_logger.set_runtime_stats_and_log()
-            stats = self._ddp_logger._get_ddp_logging_data().ints_map
+            ddp_logger: Any = self._ddp_logger
+            ddp_logger.set_runtime_stats_and_log()
+            stats = ddp_logger._get_ddp_logging_data().ints_map
             iteration, span_ns = stats["iteration"], stats["backward_comm_time"]
         except (AttributeError, KeyError, RuntimeError):
             self._working = False
