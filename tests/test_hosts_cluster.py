@@ -284,12 +284,16 @@ def test_ray_up_starts_a_head_and_two_workers_over_ssh(cluster: Cluster):
         assert any("raylet" in cmd for cmd in worker.values()), worker
         assert not any("gcs_server" in cmd for cmd in worker.values()), worker
     assert ray_processes(cluster.host(MLFLOW)) == {}
-    # Node-local state stays on its node: each host has its own /tmp/ray session.
+    # Node-local state stays on its node: each host has its own /tmp/ray session, which no
+    # other host sees.
     sessions = {
-        host.address: os.path.realpath(host.path("/tmp/ray/session_latest"))
+        host.address: os.readlink(host.path("/tmp/ray/session_latest"))
         for host in cluster.ray_hosts
     }
     assert len(set(sessions.values())) == 3, sessions
+    for host in cluster.ray_hosts:
+        for address, session in sessions.items():
+            assert host.path(session).is_dir() == (address == host.address), (host, session)
     # `ray up` ran the setup commands on every host: the environment file and the token.
     for host in cluster.ray_hosts:
         assert (
