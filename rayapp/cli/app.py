@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from rayapp.cli import cluster, hosts, jobs, runs, schema, submit
+from rayapp.cli import cluster, doctor, hosts, jobs, runs, schema, submit
 from rayapp.cli.common import CONTEXT_SETTINGS
 
 
@@ -37,5 +37,6 @@ for command in (
     cluster.cluster,
     schema.schema,
     hosts.hosts,
+    doctor.doctor,
 ):
     main.add_command(command)

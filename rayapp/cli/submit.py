@@ -91,6 +91,12 @@ def split_arguments(
     ),
 )
 @click.option(
+    "--preflight",
+    is_flag=True,
+    help="Before training, check every node as `rayapp doctor --quick` does (versions, GPUs, "
+    "storage path, MLflow) and fail in one line on a problem.",
+)
+@click.option(
     "--parent-run-id", hidden=True, help="Nest the MLflow run under this parent (used by bench)."
 )
 @friendly_errors
@@ -99,6 +105,7 @@ def submit(
     schedule_timeout: float,
     verbose: bool,
     detach: bool,
+    preflight: bool,
     parent_run_id: str | None,
     **flags: Any,
 ) -> None:
@@ -144,6 +151,7 @@ def submit(
             schedule_timeout_s=schedule_timeout,
             verbose=verbose,
             parent_run_id=parent_run_id,
+            preflight=preflight,
             on_progress=printer.on_epoch,
             on_status=printer.on_status,
         ),

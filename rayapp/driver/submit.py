@@ -20,8 +20,10 @@ import tenacity
 from rayapp.driver.session import ProgressCallback, progress_pump, ray_cluster
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.trainer import build_trainer, storage_path, trial_name
+from rayapp.driver.watchdog import explain_collective_timeout, hang_watch, heartbeat_settings
 from rayapp.errors import RayappError, cause_line
 from rayapp.launch import working_dir
+from rayapp.launch.doctor import preflight
 from rayapp.launch.node_check import check_nodes
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
 from rayapp.spec import JobSpec, SpecError
@@ -67,6 +69,9 @@ class SubmitOptions:
     """Called in a background thread with each epoch's metrics from rank 0."""
     on_status: Callable[[str], None] | None = None
     """Called with short status lines (cluster starting, workers scheduled...)."""
+    preflight: bool = False
+    """Check every node (versions, GPUs, storage path, MLflow) before training; `rayapp doctor
+    --quick`."""
 
 
 def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitResult:
@@ -99,6 +104,13 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 spec.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0)
             )
             check_precision(spec, backend)
+            if options.preflight:
+                preflight(
+                    storage_path(spec.cluster.storage_path),
+                    tracking_uri,
+                    credentials=credentials_from_env(),
+                    on_status=status,
+                )
             if spec.cluster.address:  # a real cluster, whose nodes may be other machines
                 status("checking from every node: storage path, MLflow, packages")
                 check_nodes(
@@ -120,8 +132,14 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
             fallback = fallback_path(
                 storage_path(spec.cluster.storage_path), trial_name(spec, run_id), run_id
             )
+            watch = None
             try:
-                with progress_pump(options.on_progress) as progress_queue:
+                with (
+                    progress_pump(options.on_progress) as progress_queue,
+                    hang_watch(
+                        spec, tracking_uri=tracking_uri, run_id=run_id, status=status
+                    ) as watch,
+                ):
                     status(
                         f"training on {spec.world_size} worker(s) across {spec.cluster.nodes} "
                         f"node(s), backend {backend}"
@@ -138,6 +156,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                             fallback_path=fallback,
                             progress=progress_queue,
                             mlflow_credentials=credentials_from_env(),
+                            **heartbeat_settings(watch),
                         ),
                     )
                     result = _fit_interruptibly(trainer)
@@ -150,8 +169,10 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 cause = (
                     f"node {', '.join(lost)} was lost ({cause_line(exc)})"
                     if lost
-                    else cause_line(exc)
+                    else explain_collective_timeout(cause_line(exc), spec)
                 )
+                hang = watch.failure_line() if watch is not None else None
+                cause = hang or cause
                 raise RayappError(
                     f"training failed: {cause} (MLflow run {run_id} marked FAILED)"
                 ) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -67,7 +68,10 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
             },
             placement_strategy=placement,
         ),
-        torch_config=TorchConfig(backend=backend),
+        # A collective that waits longer for a peer raises instead of blocking forever.
+        torch_config=TorchConfig(
+            backend=backend, timeout_s=math.ceil(spec.train.collective_timeout_s)
+        ),
         run_config=RunConfig(
             name=trial_name(spec, worker_config.run_id),
             storage_path=storage_path(spec.cluster.storage_path),

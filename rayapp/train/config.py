@@ -25,6 +25,10 @@ class WorkerConfig:
     mlflow_credentials: dict = field(default_factory=dict, repr=False)
     """MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN from the submitting shell, set in each worker's
     environment: a warm or remote cluster's nodes were not started with them. Never printed."""
+    watchdog: Any = None
+    """The driver's hang watchdog (an actor handle) every rank's heartbeat reports to, or None."""
+    heartbeat_s: float = 5.0
+    """Seconds between a rank's heartbeats to the watchdog."""
 
     def tell(self, message: str) -> None:
         """A warning for the person at the submitting terminal."""

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from rayapp.spec import JobSpec
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, TAG_NODE_IPS
-from rayapp.train import checkpoint, collectives, socket_ifname, system_metrics
+from rayapp.train import checkpoint, collectives, heartbeat, socket_ifname, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
 from rayapp.train.efficiency import EpochEfficiency
@@ -104,6 +104,7 @@ class TrainContext:
         )
         self._samples_before_epoch = self._samples = 0
         self._reset_epoch_clocks()
+        self._heartbeat = heartbeat.start(config.watchdog, rank, config.heartbeat_s)
 
     # ---- what a loop reads ------------------------------------------------------------
 
@@ -248,6 +249,7 @@ class TrainContext:
         so evaluation after the step loop is not counted as training time."""
         iterator = iter(loader)
         while True:
+            self._heartbeat.mark()  # the step before (or the loader's start): the watchdog's news
             self._data_timer.start()
             self._compute_timer.mark_step_begin()
             try:
@@ -365,6 +367,7 @@ class TrainContext:
         """Stop what the context started on this worker (the node's system-metrics sampler)."""
         system_metrics.stop(self._system_monitor)
         self._system_monitor = None
+        self._heartbeat.close()
 
     def _record_placement(self) -> str:
         """Tag where every rank runs; returns this rank's node IP."""
@@ -488,6 +491,7 @@ class TrainContext:
             stopped=stopped_early,
         )
         self._last_epoch = epoch
+        self._heartbeat.mark(epoch_ended=True)
         if epoch not in self._already_logged:
             if save_now:
                 metrics = {**metrics, "checkpoint_time_s": time.perf_counter() - saving_started}
