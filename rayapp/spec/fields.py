@@ -52,9 +52,12 @@ def _no_switch(value: object) -> object:
 
 Number = Annotated[float, BeforeValidator(_no_switch)]
 """A number; also a number written as text, as YAML 1.1 reads ``1e-3`` (no dot)."""
+# Bounds inside the type, before the validator, so that they hold, and show in the JSON Schema,
+# where the field may also be none.
 PositiveNumber = Annotated[float, Field(gt=0), BeforeValidator(_no_switch)]
-"""A number > 0 (the bound inside the type, so that it holds, and shows in the JSON Schema, where
-the field may also be none)."""
+"""A number > 0."""
+NonNegativeNumber = Annotated[float, Field(ge=0), BeforeValidator(_no_switch)]
+"""A number >= 0."""
 
 
 def is_import_path(value: object) -> bool:

@@ -3,7 +3,7 @@ parallel strategy (with strategy pp's own options, ``train.pipeline``)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass
@@ -14,7 +14,7 @@ from rayapp.spec.fields import (
     SECTION_CONFIG,
     ImportPath,
     NonBlank,
-    Number,
+    NonNegativeNumber,
     PositiveNumber,
     Switch,
     Text,
@@ -30,9 +30,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 WEAK_BATCH_SIZE = 64
-HangSeconds = Annotated[float, Field(ge=0), Number.__metadata__[0]]
-"""Seconds >= 0, read as a :data:`Number` is (the bound first, inside the type, so that it
-holds and shows in the JSON Schema where the field may also be none)."""
 
 
 @section("train")
@@ -113,7 +110,7 @@ class TrainSpec:
     pipeline: PipelineSpec | None = Field(
         default=None, description="Strategy pp's stages, micro-batches and schedule."
     )
-    hang_timeout_s: HangSeconds | None = Field(
+    hang_timeout_s: NonNegativeNumber | None = Field(
         default=None,
         description="Seconds with no rank finishing a step before the run is called hung: every "
         "rank's stack goes to MLflow (hang/), the ranks outside the collective the others wait in "
