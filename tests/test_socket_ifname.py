@@ -45,3 +45,15 @@ def test_a_users_choice_is_kept_and_recorded(clean_env):
 
 def test_nothing_set_is_recorded_as_empty(clean_env):
     assert socket_ifname.socket_ifnames() == ""
+
+
+def test_the_torch_config_pins_before_ray_trains_process_group_forms():
+    import cloudpickle
+    from ray.train.torch import TorchConfig
+
+    from rayapp.train.torch_config import PinnedInterfaceBackend, PinnedInterfaceTorchConfig
+
+    config = cloudpickle.loads(cloudpickle.dumps(PinnedInterfaceTorchConfig(backend="gloo")))
+    assert (config.backend, config.timeout_s) == ("gloo", TorchConfig().timeout_s)
+    assert config.backend_cls is PinnedInterfaceBackend
+    assert issubclass(PinnedInterfaceBackend, TorchConfig().backend_cls)

@@ -15,7 +15,6 @@ from rayapp.errors import RayappError, cause_line
 from rayapp.launch import warm
 from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.spec import JobSpec
-from rayapp.train.socket_ifname import SETUP_HOOK
 
 ProgressCallback = Callable[[dict], None]
 WARM_LABEL = "local-warm"
@@ -85,9 +84,7 @@ def ray_cluster(
                 _node_ip_address=node_ip,
                 log_to_driver=verbose,
                 logging_level="ERROR" if not verbose else "INFO",
-                # Every worker pins Gloo and NCCL to the interface of its node's Ray address
-                # before Ray Train forms the process group.
-                runtime_env={**(runtime_env or {}), "worker_process_setup_hook": SETUP_HOOK},
+                runtime_env=runtime_env,
             )
         except Exception as exc:  # ConnectionError, timeouts, bad scheme
             raise RayappError(f"cannot connect to {where}: {cause_line(exc)}") from None

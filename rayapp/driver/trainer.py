@@ -41,7 +41,9 @@ def _gpus_per_worker(spec: JobSpec) -> int:
 
 def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from rayapp.train.torch_config import PinnedInterfaceTorchConfig
 
     use_gpu = backend == "nccl"
     # One worker per node: STRICT_SPREAD guarantees distinct nodes. Several per node: SPREAD,
@@ -68,8 +70,10 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
             },
             placement_strategy=placement,
         ),
-        # A collective that waits longer for a peer raises instead of blocking forever.
-        torch_config=TorchConfig(
+        # A collective that waits longer for a peer raises instead of blocking forever. Gloo/NCCL
+        # on each worker bind the interface of its node's Ray address, not the one the host name
+        # resolves to (loopback on stock Debian/Ubuntu).
+        torch_config=PinnedInterfaceTorchConfig(
             backend=backend, timeout_s=math.ceil(spec.train.collective_timeout_s)
         ),
         run_config=RunConfig(

@@ -7,9 +7,8 @@ advertises 127.0.0.1 to the others and the process group times out
 its own rules, which may be one the other nodes cannot reach. Ray already knows the right
 address, the node's: every worker pins both libraries to the interface that holds it.
 
-:func:`pin_socket_interfaces` runs in every worker process of a job as Ray's
-``worker_process_setup_hook`` (the driver names it in the job's runtime_env), so the variables are
-set before Ray Train forms the process group. Variables the user set are kept.
+:func:`pin_socket_interfaces` runs on every worker before Ray Train forms the process group
+(rayapp.train.torch_config). Variables the user set are kept.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import os
 import socket
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-SETUP_HOOK = f"{__name__}.pin_socket_interfaces"
-"""The import path Ray's worker_process_setup_hook takes."""
 TAG_SOCKET_IFNAMES = "rayapp.socket_ifnames"
 """The run's tag: the interface each rank's Gloo/NCCL use, in rank order (as rayapp.node_ips)."""
 
@@ -39,8 +36,7 @@ def interface_holding(address: str) -> str | None:
 
 def pin_socket_interfaces() -> None:
     """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, where unset, to the interface holding this
-    node's Ray address. Never raises: Ray ends a worker whose setup hook fails, and Gloo's own
-    choice is still right on many machines."""
+    node's Ray address. Never raises: Gloo's own choice is still right on many machines."""
     try:
         import ray
 
