@@ -199,7 +199,7 @@ def cluster(tmp_path_factory) -> Cluster:
                 f"{address},{mlflow_host.address}",
             ],
             cwd="/",
-            env=env,
+            env={**env, "HOME": "/root"},  # the host's own home
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(work / "mlflow.log", "wb"),  # noqa: SIM115 - the server keeps it
