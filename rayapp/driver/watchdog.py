@@ -10,9 +10,8 @@ in the driver reads those notes; when no rank has moved for the hang timeout, it
 2. names the ranks and nodes outside the collective the others wait in
    (:mod:`rayapp.driver.hang_verdict`), tags the run ``rayapp.failure=hang`` and
    ``rayapp.hung_ranks``, and says so at the terminal;
-3. kills those ranks' processes (every rank's, when none stands apart), so Ray Train restarts
-   the workers from the last checkpoint while ``max_failures`` allows, or the run fails with
-   :meth:`HangWatch.failure_line`.
+3. kills every rank's process, so Ray Train restarts the workers from the last checkpoint while
+   ``max_failures`` allows, or the run fails with :meth:`HangWatch.failure_line`.
 
 The hang timeout (``train.hang_timeout_s``, ``--hang-timeout``): 0 turns the watchdog off; unset,
 it is 600 s until some rank has finished an epoch, then 10 times the longest pause between two
@@ -178,10 +177,10 @@ class HangWatch:
         self.verdict = verdict
         self._record(texts, verdict)
         self._status(f"hang: {verdict.summary()}")
-        to_kill = {rank: ranks[rank] for rank in verdict.hung_ranks if rank in ranks}
-        if not verdict.stands_apart:
-            to_kill = ranks
-        stacks.on_each_rank_node(stacks.kill_process, to_kill)
+        # Every rank, not only the culprits: Ray Train replaces the whole worker group anyway,
+        # and a rank left waiting in a collective would hold up its teardown (destroying its
+        # process group waits for the collective, up to Ray Train's 30 s shutdown timeout).
+        stacks.on_each_rank_node(stacks.kill_process, ranks)
         # Wait for the next worker group (a restart) or the end; the old notes would read as hung.
         with contextlib.suppress(Exception):
             ray.get(self.actor.forget.remote(), timeout=30)
