@@ -40,11 +40,6 @@ STORAGE = "/mnt/rayapp-shared/checkpoints"
 """RAYAPP_STORAGE_PATH in onprem.yaml: on the directory every host shares."""
 BIN = Path(sys.executable).parent
 RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray\.util\.client")
-LAPTOP_RAY_STATE = [
-    Path("/tmp/cluster-rayapp-onprem.state"),
-    Path("/tmp/cluster-rayapp-onprem.lock"),
-]
-"""Where `ray up`'s local provider keeps the cluster's state on the laptop."""
 
 
 @dataclass
@@ -159,7 +154,6 @@ def cluster(tmp_path_factory) -> Cluster:
         testhosts.check_can_make_hosts()
     except testhosts.HostsError as error:
         pytest.skip(str(error))
-    state_before = {path for path in LAPTOP_RAY_STATE if path.exists()}
     work = tmp_path_factory.mktemp("hosts")
     hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
     mlflow_server = tunnel = None
@@ -174,6 +168,9 @@ def cluster(tmp_path_factory) -> Cluster:
         if not key.startswith(("RAY_", "MLFLOW_")) and key != "VIRTUAL_ENV"
     }
     env.update(HOME=str(home), PATH=f"{BIN}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0")
+    # `ray up` keeps the cluster's state (cluster-rayapp-onprem.state) under here, not /tmp/ray.
+    env["RAY_TMPDIR"] = str(work / "laptop-tmp")
+    (work / "laptop-tmp").mkdir()
     try:
         subprocess.run(
             [BIN / "ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True
@@ -257,9 +254,6 @@ def cluster(tmp_path_factory) -> Cluster:
             )
         end_group(mlflow_server)
         testhosts.down()
-        for path in LAPTOP_RAY_STATE:
-            if path not in state_before:
-                path.unlink(missing_ok=True)
     # Nothing made here is left: namespaces, links, sshd and Ray processes (their namespaces are
     # gone, so any left would show in the machine's own process list).
     assert testhosts.leftovers() == []
