@@ -279,6 +279,7 @@ class TrainContext:
             if self._comm_clock is not None:  # inside: DDP's no_sync still says if it all-reduced
                 self._comm_clock.step_finished()
         self._compute_timer.stop()
+        self._heartbeat.mark()  # a loop with a loader of its own marks its steps here
         if not self._first_step_logged:
             self._first_step_logged = True
             self.logger.log_metrics(
