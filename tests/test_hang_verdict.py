@@ -155,3 +155,18 @@ def test_a_gloo_timeout_is_explained_with_its_setting():
     explained = explain_collective_timeout(gloo, spec)
     assert explained.startswith(gloo) and "train.collective_timeout_s = 30 s" in explained
     assert explain_collective_timeout("ValueError: bad shape", spec) == "ValueError: bad shape"
+
+
+def test_beats_note_when_each_rank_last_moved_and_forget_an_old_worker_group():
+    from rayapp.driver.watchdog import Beats
+
+    clock = [100.0]
+    beats = Beats(clock=lambda: clock[0])
+    beats.beat({"rank": 0, "token": "a", "marks": 5})
+    beats.beat({"rank": 1, "token": "b", "marks": 5})
+    clock[0] = 130.0
+    beats.beat({"rank": 0, "token": "a", "marks": 5})  # alive, but no step finished
+    beats.beat({"rank": 1, "token": "b", "marks": 6})
+    assert {r: s["idle_s"] for r, s in beats.snapshot().items()} == {0: 30.0, 1: 0.0}
+    beats.beat({"rank": 0, "token": "restarted", "marks": 0})  # a new worker group
+    assert list(beats.snapshot()) == [0] and beats.snapshot()[0]["idle_s"] == 0.0

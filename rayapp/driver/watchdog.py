@@ -71,12 +71,13 @@ class Beats:
     """The actor the ranks' heartbeats go to: each rank's last report, and how long since its
     count of steps last moved, on this actor's clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._ranks: dict[int, dict[str, Any]] = {}
         self._moved_at: dict[int, float] = {}
 
     def beat(self, report: dict[str, Any]) -> None:
-        rank, now = report["rank"], time.monotonic()
+        rank, now = report["rank"], self._clock()
         previous = self._ranks.get(rank)
         if previous is not None and previous["token"] != report["token"]:
             # A new worker group (Ray Train restarted the workers): the old group's notes go.
@@ -87,7 +88,7 @@ class Beats:
         self._ranks[rank] = report
 
     def snapshot(self) -> dict[int, dict[str, Any]]:
-        now = time.monotonic()
+        now = self._clock()
         return {
             rank: {**report, "idle_s": now - self._moved_at[rank]}
             for rank, report in self._ranks.items()
