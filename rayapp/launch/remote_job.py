@@ -4,7 +4,9 @@ The laptop resolves and validates the job spec and writes it, pointed at the clu
 ``job.yaml`` into a working directory, beside a copy of the user's code when the job names any.
 The submission's entrypoint, ``python -m rayapp.cli.job_entry submit job.yaml``, is the
 ``rayapp submit`` CLI run as the job's driver on the head node (``cluster.address: auto``); it
-logs to the MLflow tracking server named in the spec.
+logs to the MLflow tracking server named in the spec. This rayapp package goes with the job
+(runtime_env ``py_modules``), so the cluster's Python needs only Ray, torch, MLflow and rayapp's
+small dependencies; the laptop's versions go too, for the driver to compare with the head's.
 """
 
 from __future__ import annotations
