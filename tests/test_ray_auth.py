@@ -1,5 +1,6 @@
-"""rayapp.launch.ray_auth against the installed Ray: whether a token is at hand and whether this
-process sends one, read as Ray reads them (each case in a fresh process: Ray caches both)."""
+"""rayapp.launch.ray_auth against the installed Ray: whether a token is at hand, whether this
+process sends one, and the header it goes in, read as Ray reads them (each case in a fresh
+process: Ray caches both)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 import pytest
 
 PROBE = (
-    "from rayapp.launch import ray_auth; print(ray_auth.token_available(), ray_auth.sends_token())"
+    "from rayapp.launch import ray_auth; "
+    "print(ray_auth.token_available(), ray_auth.sends_token(), ray_auth.http_headers())"
 )
 
 
@@ -30,10 +32,13 @@ def probe(home, **env: str) -> str:
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({}, "False False"),  # no token anywhere
-        ({"RAY_AUTH_TOKEN": "a" * 64}, "True False"),  # a token, but token mode is off
-        ({"RAY_AUTH_TOKEN": "a" * 64, "RAY_AUTH_MODE": "token"}, "True True"),
-        ({"RAY_AUTH_MODE": "token"}, "False False"),  # token mode with nothing to send
+        ({}, "False False {}"),  # no token anywhere
+        ({"RAY_AUTH_TOKEN": "a" * 64}, "True False {}"),  # a token, but token mode is off
+        (
+            {"RAY_AUTH_TOKEN": "a" * 64, "RAY_AUTH_MODE": "token"},
+            "True True {'authorization': 'Bearer " + "a" * 64 + "'}",
+        ),
+        ({"RAY_AUTH_MODE": "token"}, "False False {}"),  # token mode with nothing to send
     ],
 )
 def test_token_at_hand_and_sent(tmp_path, env, expected):
@@ -43,4 +48,6 @@ def test_token_at_hand_and_sent(tmp_path, env, expected):
 def test_the_default_token_file_counts(tmp_path):
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("b" * 64)
-    assert probe(tmp_path, RAY_AUTH_MODE="token") == "True True"
+    assert probe(tmp_path, RAY_AUTH_MODE="token") == (
+        "True True {'authorization': 'Bearer " + "b" * 64 + "'}"
+    )

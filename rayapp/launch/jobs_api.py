@@ -272,15 +272,9 @@ def cluster_ray_version(address: str, timeout_s: float = REACH_TIMEOUT_S) -> str
     import requests
 
     try:
-        from ray._private.authentication.http_token_authentication import (
-            get_auth_headers_if_auth_enabled,
+        response = requests.get(
+            f"{address}/api/version", headers=ray_auth.http_headers(), timeout=timeout_s
         )
-
-        headers = get_auth_headers_if_auth_enabled({})
-    except ImportError:  # a Ray without token auth
-        headers = {}
-    try:
-        response = requests.get(f"{address}/api/version", headers=headers, timeout=timeout_s)
         return str(response.json()["ray_version"]) if response.status_code == 200 else None
     except (requests.exceptions.RequestException, ValueError, KeyError, TypeError):
         return None

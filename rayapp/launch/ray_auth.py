@@ -51,6 +51,15 @@ def sends_token() -> bool:
     return os.environ.get("RAY_AUTH_MODE", "").lower() == "token" and token_available()
 
 
+def http_headers() -> dict[str, str]:
+    """The Authorization header Ray's own HTTP clients send from this process; {} when they send
+    none (token mode off, or a Ray without token auth)."""
+    core = _core()
+    if core is None or not sends_token():  # Ray raises when token mode has no token to send
+        return {}
+    return dict(core.AuthenticationTokenLoader.instance().get_token_for_http_header())
+
+
 def reload_settings(*, forget_token: bool = False) -> None:
     """Make Ray see this process's RAY_AUTH_* environment as it is now; with `forget_token`, read
     the token again too (Ray keeps the first one it read)."""
