@@ -25,11 +25,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayapp.driver import stacks
 from rayapp.driver.hang_verdict import Verdict, judge
-from rayapp.spec import JobSpec
+
+if TYPE_CHECKING:  # the heartbeat actor imports this module: only the standard library at import
+    from rayapp.spec import JobSpec
 
 DEFAULT_HANG_TIMEOUT_S = 600.0
 SIZED_FACTOR = 10.0
