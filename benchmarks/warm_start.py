@@ -19,6 +19,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,9 @@ def main() -> None:
         ),
     )
     args = parser.parse_args()
+    # Stopped by `timeout` or a scheduler: the submit under way is killed and the warm cluster
+    # stopped (the `finally` below), instead of both running on.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     up = (
         "cluster",
         "up",
