@@ -36,14 +36,23 @@ def rayapp(*args: str, cwd: str, env: dict) -> tuple[float, str]:
     """Run the CLI; its wall time in seconds and its output. Fails loudly: a failed submit is no
     measurement."""
     started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "rayapp", *args], cwd=cwd, env=env, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        sys.exit(
-            f"rayapp {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-500:]}"
-        )
-    return time.perf_counter() - started, result.stdout + result.stderr
+    with subprocess.Popen(
+        [sys.executable, "-m", "rayapp", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate()
+        except BaseException:  # the benchmark is stopped: so is the command, its run and cluster
+            process.terminate()
+            process.wait(timeout=120)
+            raise
+    if process.returncode != 0:
+        sys.exit(f"rayapp {' '.join(args)} failed ({process.returncode}): {stderr.strip()[-500:]}")
+    return time.perf_counter() - started, stdout + stderr
 
 
 def newest_run_metrics(workdir: str) -> dict[str, float]:
@@ -72,8 +81,8 @@ def main() -> None:
         ),
     )
     args = parser.parse_args()
-    # Stopped by `timeout` or a scheduler: the submit under way is killed and the warm cluster
-    # stopped (the `finally` below), instead of both running on.
+    # Stopped by `timeout` or a scheduler: the command under way is stopped (SIGTERM: it ends its
+    # run and its own cluster), then the warm cluster (the `finally` below).
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     up = (
         "cluster",
