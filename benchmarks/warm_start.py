@@ -6,8 +6,10 @@ wall time of the whole command and each start-up phase the run logged in MLflow
 (`startup_cluster_s`, `startup_workers_s`, `time_to_first_step_s`), with the warm/cold ratio of the
 medians, and the warm/cold ratio of each pair (one cold submit and the warm one after it) with
 their median and range. Alternating spreads whatever else the machine does over both sides. Every
-submit is a new `python -m rayapp` process. A warm submit starts in the cluster's preloaded driver
-(rayapp.cli.preloaded) unless it declines; each line says which.
+submit is a new `python -m rayapp` process. Each warm submit waits until the warm cluster is idle
+(it has been up a while, as a warm cluster in use has: right after `cluster up` its nodes still
+start their agents). A warm submit starts in the cluster's preloaded driver (rayapp.cli.preloaded)
+unless it declines; each line says which.
 
     python benchmarks/warm_start.py  # seed_linear, 2 nodes, 3 epochs, 3 rounds
     python benchmarks/warm_start.py --rounds 5 --job jobs/mlp_synthetic.yaml
@@ -16,7 +18,9 @@ submit is a new `python -m rayapp` process. A warm submit starts in the cluster'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import platform
 import signal
@@ -66,6 +70,35 @@ def newest_run_metrics(workdir: str) -> dict[str, float]:
     return run.data.metrics
 
 
+def settle(state_dir: str, window_s: float = 2.0, limit_s: float = 30.0) -> float:
+    """Wait until the warm cluster's processes (its nodes' and its preloaded driver's) use under a
+    tenth of a core over `window_s`, at most `limit_s`; the seconds waited. A warm cluster is one
+    that has been up a while: right after `cluster up` its nodes still start their agents."""
+    import psutil
+
+    record = json.loads((Path(state_dir) / "cluster.json").read_text())
+    roots = [*map(int, record["leaders"]), *map(int, record.get("driver", {}))]
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for root in roots:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(root)
+                for member in [process, *process.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = member.cpu_times()
+                        total += times.user + times.system
+        return total
+
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        before = cpu_seconds()
+        time.sleep(window_s)
+        if cpu_seconds() - before < 0.1 * window_s:
+            break
+    return time.monotonic() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", default=str(REPO / "jobs" / "seed_linear.yaml"))
@@ -100,6 +133,7 @@ def main() -> None:
     submit = ("submit", "--nodes", str(args.nodes), "--epochs", str(args.epochs), args.job)
     figures: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
     up_s, _ = rayapp(*up, cwd=workdir, env=env)
+    settle(env["RAYAPP_STATE_DIR"])
     try:
         for round_ in range(args.rounds):
             for kind in ("cold", "warm"):
@@ -108,12 +142,15 @@ def main() -> None:
                 wall, output = rayapp(*submit, cwd=workdir, env=env)
                 if kind == "cold":
                     up_s, _ = rayapp(*up, cwd=workdir, env=env)
+                    settled_s = settle(env["RAYAPP_STATE_DIR"])
                 metrics = newest_run_metrics(workdir)
                 figures[kind].append(
                     {"wall_s": wall, **{k: metrics.get(k, float("nan")) for k in STARTUP_METRICS}}
                 )
                 # A warm submit the preloaded driver declined (and said why) ran in its own process.
                 how = " (preloaded driver)" if "from its preloaded driver" in output else ""
+                if kind == "cold":
+                    how = f", then the warm cluster up and settled in {up_s + settled_s:.0f} s"
                 print(f"round {round_ + 1} {kind}: {wall:.1f} s{how}", flush=True)
     finally:
         rayapp("cluster", "down", cwd=workdir, env=env)
