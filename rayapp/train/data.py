@@ -8,6 +8,7 @@ alone); :func:`build_loader` gives each rank its own shard with a DistributedSam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -27,7 +28,9 @@ def build_datasets(spec: JobSpec) -> Datasets:
     builder data.kind names. Raises TypeError naming what a factory should return."""
     if spec.data.factory is not None:
         return as_datasets(import_object(spec.data.factory)(**spec.data.args), spec.data.factory)
-    built = import_object(DATASETS.get(spec.data.kind).target)(spec)
+    kind = spec.data.kind
+    assert kind is not None  # the spec holds data.factory or data.kind
+    built = import_object(DATASETS.get(kind).target)(spec)
     return built if isinstance(built, Datasets) else Datasets(train=built)
 
 
@@ -35,8 +38,10 @@ def as_datasets(built: object, source: str) -> Datasets:
     """A factory's result as Datasets: a map-style Dataset, or a (train, test) pair of them."""
     if isinstance(built, Datasets):
         return built
-    if isinstance(built, tuple) and len(built) == 2 and all(_is_map_style(part) for part in built):
-        return Datasets(train=built[0], test=built[1])
+    if isinstance(built, tuple) and len(built) == 2:
+        train, test = built
+        if _is_map_style(train) and _is_map_style(test):
+            return Datasets(train=train, test=test)
     if _is_map_style(built):
         return Datasets(train=built)
     raise TypeError(
@@ -45,7 +50,7 @@ def as_datasets(built: object, source: str) -> Datasets:
     )
 
 
-def _is_map_style(obj: object) -> bool:
+def _is_map_style(obj: object) -> TypeGuard[Dataset[Any]]:
     return (
         hasattr(obj, "__getitem__")
         and hasattr(obj, "__len__")
@@ -71,7 +76,7 @@ def build_loader(
     In-memory tensors (a TensorDataset) are fetched a whole batch at a time, by indexing each
     tensor with the batch's indices, rather than sample by sample and stacked by collate: the
     same batches, without a Python call per sample."""
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[int] = DistributedSampler(
         dataset,
         num_replicas=world_size,
         rank=rank,
@@ -90,13 +95,23 @@ def build_loader(
 def shard_sampler(loader: DataLoader) -> DistributedSampler:
     """The DistributedSampler behind a loader built by :func:`build_loader`."""
     sampler = loader.sampler
-    return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
+    return cast(
+        "DistributedSampler[int]",
+        sampler.sampler if isinstance(sampler, BatchSampler) else sampler,
+    )
+
+
+def _builtin_size(spec: JobSpec) -> int:
+    """Training samples of a built-in data set: the spec knows them (not a user's data set's)."""
+    samples = spec.num_train_samples
+    assert samples is not None
+    return samples
 
 
 def random_regression(spec: JobSpec) -> TensorDataset:
     # The article draws torch.randn inputs and targets: there is nothing to learn, only work to do.
     generator = torch.Generator().manual_seed(spec.train.seed)
-    n = spec.num_train_samples
+    n = _builtin_size(spec)
     inputs = torch.randn(n, spec.data.features, generator=generator)
     targets = torch.randn(n, spec.data.targets, generator=generator)
     return TensorDataset(inputs, targets)
@@ -105,7 +120,7 @@ def random_regression(spec: JobSpec) -> TensorDataset:
 def synthetic_regression(spec: JobSpec) -> TensorDataset:
     # A fixed random "teacher" network makes a target the model can learn, so the loss falls.
     generator = torch.Generator().manual_seed(spec.train.seed + 1)
-    n, features, targets = spec.num_train_samples, spec.data.features, spec.data.targets
+    n, features, targets = _builtin_size(spec), spec.data.features, spec.data.targets
     inputs = torch.randn(n, features, generator=generator)
     hidden = max(features, targets)
     w1 = torch.randn(features, hidden, generator=generator) / features**0.5
