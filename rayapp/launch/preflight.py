@@ -45,7 +45,7 @@ def shortfall(spec: JobSpec, nodes: list[dict], *, use_gpu: bool) -> str | None:
         and node["Resources"].get("GPU", 0) >= per_node_gpus
     ]
     # An elastic run starts with its minimum and grows as nodes join.
-    needed = spec.cluster.min_nodes if spec.cluster.elastic else spec.cluster.nodes
+    needed = spec.cluster.nodes if spec.cluster.min_nodes is None else spec.cluster.min_nodes
     if len(fitting) >= needed:
         return None
     need = f"{per_node_cpus} CPU" + (f" + {per_node_gpus} GPU" if per_node_gpus else "")

@@ -24,6 +24,7 @@ def build_model(spec: JobSpec) -> nn.Module:
                 f"{spec.model.factory} returned {type(model).__name__}; expected a torch.nn.Module"
             )
         return model
+    assert spec.model.kind is not None  # the spec holds model.factory or model.kind
     return import_object(MODELS.get(spec.model.kind).target)(spec)
 
 

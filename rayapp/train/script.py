@@ -40,6 +40,7 @@ def script_loop(ctx: TrainContext) -> None:
         "MLFLOW_TRACKING_URI": ctx.config.tracking_uri,
         "MLFLOW_RUN_ID": ctx.config.run_id,
     }
+    assert spec.train.script is not None  # this loop runs only for a script job
     script = find_script(spec.train.script)
     started = time.perf_counter()
     # In the working dir, as torchrun runs a script where it was launched: relative paths the
@@ -128,6 +129,7 @@ def _rendezvous(ctx: TrainContext) -> tuple[str, int]:
 def _tee_stderr(child: subprocess.Popen, tail: collections.deque) -> None:
     """Pass the script's stderr on to the worker's (Ray shows it with -v) and keep its last
     lines."""
+    assert child.stderr is not None  # started with stderr=PIPE
     for line in child.stderr:
         sys.stderr.write(line)
         tail.append(line)
@@ -135,6 +137,7 @@ def _tee_stderr(child: subprocess.Popen, tail: collections.deque) -> None:
 
 def _echo_stdout(child: subprocess.Popen, echo) -> None:
     """Rank 0's stdout into the worker's log and on to the submitting terminal."""
+    assert child.stdout is not None  # started with stdout=PIPE
     for line in child.stdout:
         sys.stdout.write(line)
         try:
