@@ -7,9 +7,9 @@ cluster up` starts a server beside the nodes (rayapp.cli.preloaded_server): it i
 and waits on a Unix socket in the state directory. The `rayapp` command, finding it, sends its
 arguments, working directory, environment and umask, and its standard streams themselves (the
 descriptors, SCM_RIGHTS: a terminal stays a terminal), and the server forks a child that becomes
-that command. The command
-waits and exits with the child's status; Ctrl-C, SIGTERM and SIGHUP sent to it reach the child,
-and a child whose command is gone (killed) is sent SIGTERM, so it ends its run as a stopped one.
+that command. The command waits and exits with the child's status; Ctrl-C, SIGTERM and SIGHUP
+sent to it reach the child, and a child whose command is gone (killed) is sent SIGTERM, so it
+ends its run as a stopped one.
 Each command gets a new process: nothing of one run is left for the next, and commands sent at
 the same time each get their own.
 
