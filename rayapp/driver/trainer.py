@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from rayapp.spec import JobSpec
 from rayapp.train.config import WorkerConfig
@@ -49,20 +50,20 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
     # One worker per node: STRICT_SPREAD guarantees distinct nodes. Several per node: SPREAD,
     # with the embedded cluster sized so each node holds exactly workers_per_node of them.
     placement = "STRICT_SPREAD" if spec.cluster.workers_per_node == 1 else "SPREAD"
+    # Elastic: Ray Train starts (and restarts after a lost node) with as many workers as the
+    # cluster holds now, from min to max, and grows as nodes return. Ray Train v2 (Ray's default)
+    # takes the range and the resize interval; mypy reads ray.train's v1 classes, which do not.
+    num_workers: Any = spec.world_size
+    elastic: dict[str, Any] = {}
+    if spec.cluster.elastic:
+        num_workers = (spec.cluster.min_world_size, spec.world_size)
+        elastic = {"elastic_resize_monitor_interval_s": spec.cluster.resize_interval_s}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"worker_config": worker_config},
         scaling_config=ScalingConfig(
-            # Elastic: Ray Train starts (and restarts after a lost node) with as many workers as
-            # the cluster holds now, from min to max, and grows as nodes return.
-            num_workers=(spec.cluster.min_world_size, spec.world_size)
-            if spec.cluster.elastic
-            else spec.world_size,
-            **(
-                {"elastic_resize_monitor_interval_s": spec.cluster.resize_interval_s}
-                if spec.cluster.elastic
-                else {}
-            ),
+            num_workers=num_workers,
+            **elastic,
             use_gpu=use_gpu,
             resources_per_worker={
                 "CPU": spec.cluster.cpus_per_worker,
@@ -76,7 +77,7 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
         torch_config=PinnedInterfaceTorchConfig(
             backend=backend, timeout_s=math.ceil(spec.train.collective_timeout_s)
         ),
-        run_config=RunConfig(
+        run_config=RunConfig(  # type: ignore[call-arg]  # v2's RunConfig has worker_runtime_env
             name=trial_name(spec, worker_config.run_id),
             storage_path=storage_path(spec.cluster.storage_path),
             failure_config=FailureConfig(max_failures=spec.cluster.failures_allowed),
