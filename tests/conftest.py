@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+    # The tests that share the session's warm cluster run last, one after another, so its nodes
+    # are up only while they run and never beside a test's own cluster.
+    items.sort(key=lambda item: "warm_cluster" in item.fixturenames)
 
 
 def run_rayapp(
@@ -52,6 +57,71 @@ def run_rayapp(
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+class WarmClusterEnv(dict):
+    """The environment that points rayapp at the session's warm cluster (pass it as env=), and the
+    cluster's node processes (`ray start --block`), below which its jobs' workers run."""
+
+    leaders: list[int]
+
+    def training_workers(self) -> list[int]:
+        return [
+            pid
+            for leader in self.leaders
+            for pid in descendants(leader)
+            if "RayTrainWorker" in cmdline(pid)
+        ]
+
+
+@pytest.fixture(scope="session")
+def warm_cluster(tmp_path_factory) -> Iterator[WarmClusterEnv]:
+    """A warm cluster (`rayapp cluster up`, 2 nodes) shared by the tests whose jobs need no cluster
+    of their own: pass it to run_rayapp / start_rayapp as env and the command uses it as a user's
+    later submits do. Its record lies in a state dir of its own, so the commands of every other
+    test still start their own cluster. Started by the first test that asks for it, stopped with
+    `rayapp cluster down` at the end of the session."""
+    from rayapp.launch import warm
+
+    env = WarmClusterEnv({warm.STATE_DIR_ENV: str(tmp_path_factory.mktemp("warm-state"))})
+    directory = tmp_path_factory.mktemp("warm-cluster")
+    up = run_rayapp("cluster", "up", "--nodes", "2", cwd=directory, env=env, timeout=180)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        with _environment(env):
+            record = warm.find()
+        assert record is not None, up.stdout
+        env.leaders = list(record.leaders)
+        yield env
+    finally:
+        down = run_rayapp("cluster", "down", cwd=directory, env=env, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def kill_one_training_worker(roots: list[int]) -> None:
+    """SIGKILL one Ray Train worker process below roots (a rayapp process that started its own
+    cluster, or a warm cluster's nodes)."""
+    import signal
+
+    workers = [
+        pid for root in roots for pid in descendants(root) if "RayTrainWorker" in cmdline(pid)
+    ]
+    assert workers, f"no RayTrainWorker process found below {roots}"
+    os.kill(workers[-1], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def connect(cluster) -> None:

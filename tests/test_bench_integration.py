@@ -1,4 +1,4 @@
-"""A real 1-vs-2-node sweep on the embedded cluster: parent run, two child runs, the plot
+"""A real 1-vs-2-node sweep on the warm cluster: parent run, two child runs, the plot
 artifact."""
 
 from __future__ import annotations
@@ -9,9 +9,16 @@ from conftest import JOBS, mlflow_client, run_rayapp
 pytestmark = pytest.mark.integration
 
 
-def test_sweep_one_and_two_nodes(workdir):
+def test_sweep_one_and_two_nodes(workdir, warm_cluster):
     result = run_rayapp(
-        "bench", str(JOBS / "seed_linear.yaml"), "--nodes", "1,2", "--epochs", "2", cwd=workdir
+        "bench",
+        str(JOBS / "seed_linear.yaml"),
+        "--nodes",
+        "1,2",
+        "--epochs",
+        "2",
+        cwd=workdir,
+        env=warm_cluster,
     )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "efficiency" in result.stdout

@@ -47,11 +47,13 @@ def submit_args(server: MlflowServer) -> list[str]:
     ]
 
 
-def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
+def test_server_down_mid_run_then_back_loses_nothing(tmp_path, warm_cluster):
     server = MlflowServer(tmp_path).start()
     # Epochs here take a fraction of a second, so training may end before the server is back;
     # a long grace keeps the job waiting for it rather than writing the fallback file.
-    process = start_rayapp(*submit_args(server), cwd=tmp_path, env={GRACE_ENV: "180"})
+    process = start_rayapp(
+        *submit_args(server), cwd=tmp_path, env={GRACE_ENV: "180", **warm_cluster}
+    )
     try:
         seen = wait_for_line(process, f"2/{EPOCHS}  loss")
         server.stop()
@@ -73,9 +75,9 @@ def test_server_down_mid_run_then_back_loses_nothing(tmp_path):
         server.stop()
 
 
-def test_server_gone_until_the_end_leaves_a_fallback_file_to_import(tmp_path):
+def test_server_gone_until_the_end_leaves_a_fallback_file_to_import(tmp_path, warm_cluster):
     server = MlflowServer(tmp_path).start()
-    process = start_rayapp(*submit_args(server), cwd=tmp_path, env={GRACE_ENV: "5"})
+    process = start_rayapp(*submit_args(server), cwd=tmp_path, env={GRACE_ENV: "5", **warm_cluster})
     try:
         seen = wait_for_line(process, f"2/{EPOCHS}  loss")
         server.stop()

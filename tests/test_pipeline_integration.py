@@ -10,15 +10,12 @@ and their optimizers exactly from the DCP checkpoint.
 from __future__ import annotations
 
 import math
-import os
-import signal
 
 import pytest
 import torch
 from conftest import (
     JOBS,
-    cmdline,
-    descendants,
+    kill_one_training_worker,
     mlflow_client,
     only_run,
     run_rayapp,
@@ -72,8 +69,8 @@ def history(client, run, key):
     ]
 
 
-def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
-    result = run_rayapp("submit", "--epochs", str(EPOCHS), str(JOB), cwd=workdir)
+def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir, warm_cluster):
+    result = run_rayapp("submit", "--epochs", str(EPOCHS), str(JOB), cwd=workdir, env=warm_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     client = mlflow_client(workdir)
     run = only_run(client)
@@ -120,7 +117,7 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir):
     build_model(load_spec(JOB)).load_state_dict(torch.load(path))
 
 
-def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir):
+def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir, warm_cluster):
     epochs = 4
     process = start_rayapp(
         "submit",
@@ -132,12 +129,11 @@ def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir):
         "1",
         str(JOB),
         cwd=workdir,
+        env=warm_cluster,
     )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
-        workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
-        assert workers, "no RayTrainWorker process found under rayapp"
-        os.kill(workers[-1], signal.SIGKILL)
+        kill_one_training_worker(warm_cluster.leaders)
         output, _ = process.communicate(timeout=400)
     finally:
         if process.poll() is None:

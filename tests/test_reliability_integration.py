@@ -15,6 +15,7 @@ from conftest import (
     cmdline,
     connect,
     descendants,
+    kill_one_training_worker,
     mlflow_client,
     only_run,
     run_rayapp,
@@ -29,7 +30,7 @@ from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
 pytestmark = pytest.mark.integration
 
 
-def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
+def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_cluster):
     epochs = 6
     process = start_rayapp(
         "submit",
@@ -41,12 +42,11 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
         "1",
         str(JOBS / "seed_linear.yaml"),
         cwd=workdir,
+        env=warm_cluster,
     )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
-        workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
-        assert workers, "no RayTrainWorker process found under rayapp"
-        os.kill(workers[-1], signal.SIGKILL)
+        kill_one_training_worker(warm_cluster.leaders)
         output, _ = process.communicate(timeout=400)
     finally:
         if process.poll() is None:
@@ -62,33 +62,14 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir):
         assert steps == list(range(epochs)), f"{key} logged at {steps}"
 
 
-@pytest.mark.parametrize(
-    "signum, exit_code, said",
-    [
-        (signal.SIGINT, 130, "interrupted;"),  # Ctrl-C
-        (signal.SIGTERM, 143, "terminated by SIGTERM;"),  # kill, a scheduler's stop, systemd
-    ],
-)
-def test_ctrl_c_or_sigterm_stops_cluster_and_marks_run_killed(workdir, signum, exit_code, said):
-    process = start_rayapp(
-        "submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir
-    )
-    try:
-        wait_for_line(process, "  1/200  loss")
-        started = descendants(process.pid)
-        assert any("raylet" in cmdline(pid) for pid in started)
-        process.send_signal(signum)
-        output, _ = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
+def stop_and_check(workdir, process, signum: int, exit_code: int, said: str) -> None:
+    """Send signum to a running submit: it exits with exit_code, says so in one line, and leaves
+    the run KILLED with every epoch the job checkpointed in it."""
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=120)
     assert process.returncode == exit_code, output[-3000:]
     assert said in output and "Traceback" not in output
     assert "SIGTERM received" not in output  # Ray's own handler did not take over
-    time.sleep(1)
-    assert not [pid for pid in started if alive(pid)], (
-        "processes of the embedded cluster outlived rayapp"
-    )
     client = mlflow_client(workdir)
     run = only_run(client)
     assert run.info.status == "KILLED"
@@ -99,6 +80,54 @@ def test_ctrl_c_or_sigterm_stops_cluster_and_marks_run_killed(workdir, signum, e
     assert saved is not None and saved["run_id"] == run.info.run_id
     logged = {m.step for m in client.get_metric_history(run.info.run_id, "loss")}
     assert set(range(saved["epoch"] + 1)) <= logged, (saved["epoch"], sorted(logged))
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after waiting up to seconds for them to exit."""
+    deadline = time.monotonic() + seconds
+    while [pid for pid in pids if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if alive(pid)]
+
+
+def test_ctrl_c_stops_the_embedded_cluster_and_marks_the_run_killed(workdir):
+    process = start_rayapp(
+        "submit", "--nodes", "2", "--epochs", "200", str(JOBS / "seed_linear.yaml"), cwd=workdir
+    )
+    try:
+        wait_for_line(process, "  1/200  loss")
+        started = descendants(process.pid)
+        assert any("raylet" in cmdline(pid) for pid in started)
+        stop_and_check(workdir, process, signal.SIGINT, 130, "interrupted;")
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not gone_within(started, 5), "processes of the embedded cluster outlived rayapp"
+
+
+def test_sigterm_stops_a_job_on_the_warm_cluster_and_marks_the_run_killed(workdir, warm_cluster):
+    """kill, a scheduler's stop, systemd: as Ctrl-C, and the job's workers go with it while the
+    warm cluster's nodes stay up."""
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--epochs",
+        "200",
+        str(JOBS / "seed_linear.yaml"),
+        cwd=workdir,
+        env=warm_cluster,
+    )
+    try:
+        wait_for_line(process, "  1/200  loss")
+        workers = warm_cluster.training_workers()
+        assert len(workers) == 2, workers
+        stop_and_check(workdir, process, signal.SIGTERM, 143, "terminated by SIGTERM;")
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not gone_within(workers, 15), "the job's workers outlived it"
+    assert all(alive(pid) for pid in warm_cluster.leaders)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +238,7 @@ def test_losing_a_node_with_no_restarts_left_fails_fast_naming_it(workdir):
 
 
 def test_a_lost_node_comes_back_and_training_resumes_in_the_same_run(workdir):
-    epochs = 20
+    epochs = 10
     process = start_rayapp(
         "submit",
         "--nodes",

@@ -18,7 +18,7 @@ EPOCHS = 3
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, warm_cluster):
     workdir = tmp_path_factory.mktemp("strategies")
     found = {}
     for label, args in {
@@ -35,6 +35,7 @@ def runs(tmp_path_factory):
             label,
             str(JOBS / "mlp_synthetic.yaml"),
             cwd=workdir,
+            env=warm_cluster,
         )
         assert result.returncode == 0, f"{label}: " + result.stderr[-3000:] + result.stdout[-3000:]
     client = mlflow_client(workdir)

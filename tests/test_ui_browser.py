@@ -88,7 +88,7 @@ def chromium():
 
 
 @pytest.fixture(scope="module")
-def sweep(chromium, tmp_path_factory) -> Sweep:
+def sweep(chromium, tmp_path_factory, warm_cluster) -> Sweep:
     """One real `rayapp bench` sweep (parent run, a child run per cluster size) in a fresh store."""
     directory = tmp_path_factory.mktemp("ui-sweep")
     result = run_rayapp(
@@ -99,6 +99,7 @@ def sweep(chromium, tmp_path_factory) -> Sweep:
         "--epochs",
         str(EPOCHS),
         cwd=directory,
+        env=warm_cluster,
     )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
 

@@ -5,9 +5,7 @@ code because it travelled with the job."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import sqlite3
 import sys
 import textwrap
@@ -17,8 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     REPO,
-    cmdline,
-    descendants,
+    kill_one_training_worker,
     mlflow_client,
     only_run,
     run_rayapp,
@@ -43,20 +40,16 @@ def example(name: str, tmp_path: Path) -> Path:
     return copy
 
 
-def kill_one_worker(process) -> None:
-    workers = [pid for pid in descendants(process.pid) if "RayTrainWorker" in cmdline(pid)]
-    assert workers, "no RayTrainWorker process found under rayapp"
-    os.kill(workers[-1], signal.SIGKILL)
-
-
 def steps(client, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
-def test_factories_train_a_cnn_on_digits(tmp_path):
+def test_factories_train_a_cnn_on_digits(tmp_path, warm_cluster):
     code, workdir = example("cnn_digits", tmp_path), tmp_path / "run"
     workdir.mkdir()
-    result = run_rayapp("submit", "--nodes", "2", str(code / "job.yaml"), cwd=workdir)
+    result = run_rayapp(
+        "submit", "--nodes", "2", str(code / "job.yaml"), cwd=workdir, env=warm_cluster
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "your code travels to the workers from" in result.stdout
     client = mlflow_client(workdir)
@@ -67,7 +60,7 @@ def test_factories_train_a_cnn_on_digits(tmp_path):
     assert run.data.params["model"].endswith(":build") or ":" in run.data.params["model"]
 
 
-def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path):
+def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path, warm_cluster):
     code, workdir = example("char_gpt", tmp_path), tmp_path / "run"
     workdir.mkdir()
     epochs = 5
@@ -81,10 +74,11 @@ def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path):
         "1",
         str(code / "job_tiny.yaml"),
         cwd=workdir,
+        env=warm_cluster,
     )
     try:
         wait_for_line(process, f"epoch 2/{epochs}")
-        kill_one_worker(process)
+        kill_one_training_worker(warm_cluster.leaders)
         output, _ = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
@@ -111,7 +105,9 @@ def logged_script_epochs(db: Path) -> int:
         return 0
 
 
-def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tmp_path):
+def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(
+    tmp_path, warm_cluster
+):
     code, workdir = example("article_ddp", tmp_path), tmp_path / "run"
     workdir.mkdir()
     process = start_rayapp(
@@ -128,6 +124,7 @@ def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tm
         "--steps",
         "300",
         cwd=workdir,
+        env=warm_cluster,
     )
     try:
         wait_for_line(process, "training on 2 worker(s)")
@@ -137,7 +134,7 @@ def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tm
                 "the script logged no epochs"
             )
             time.sleep(0.5)
-        kill_one_worker(process)
+        kill_one_training_worker(warm_cluster.leaders)
         output, _ = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
@@ -152,7 +149,7 @@ def test_unmodified_torchrun_script_restarts_after_a_killed_worker_in_one_run(tm
     assert set(steps(client, run.info.run_id, "loss")) == set(range(6))
 
 
-def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path):
+def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path, warm_cluster):
     code, workdir = tmp_path / "code", tmp_path / "run"
     code.mkdir()
     workdir.mkdir()
@@ -165,7 +162,9 @@ def test_a_rank_whose_script_fails_fails_the_run_with_its_stderr(tmp_path):
             sys.exit(3)
     """)
     )
-    result = run_rayapp("submit", "--nodes", "2", "--script", str(code / "bad.py"), cwd=workdir)
+    result = run_rayapp(
+        "submit", "--nodes", "2", "--script", str(code / "bad.py"), cwd=workdir, env=warm_cluster
+    )
     assert result.returncode == 1, result.stdout[-2000:]
     message = result.stderr.strip().splitlines()[-1]
     assert (
