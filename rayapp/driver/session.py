@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -83,7 +84,7 @@ def ray_cluster(
                 address=address,
                 _node_ip_address=node_ip,
                 log_to_driver=verbose,
-                logging_level="ERROR" if not verbose else "INFO",
+                logging_level=logging.INFO if verbose else logging.ERROR,
                 runtime_env=runtime_env,
             )
         except Exception as exc:  # ConnectionError, timeouts, bad scheme
