@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from torch import nn
 from rayapp.spec import JobSpec
 from rayapp.tracking.logger import NullLogger
 from rayapp.train.strategies import PRECISION_DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class Stepper:
@@ -78,9 +82,12 @@ class Stepper:
         no_sync, FSDP2's requires_gradient_sync); the last micro-step reduces the sum."""
         if self.stepping_next() or model is None:
             return contextlib.nullcontext()
-        if hasattr(model, "no_sync"):  # DDP
-            return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        from torch.distributed.fsdp import FSDPModule
+
+        no_sync = getattr(model, "no_sync", None)  # DDP
+        if no_sync is not None:
+            return no_sync()
+        if isinstance(model, FSDPModule):  # FSDP2
             return _fsdp_no_sync(model)
         return contextlib.nullcontext()
 
@@ -99,7 +106,7 @@ class Stepper:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield

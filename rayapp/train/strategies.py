@@ -63,13 +63,12 @@ def apply_fsdp(
     policy = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         if param_dtype
-        else None
+        else MixedPrecisionPolicy()  # fully_shard's default: compute in the parameters' dtype
     )
-    options = {"mp_policy": policy} if policy else {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and module is not model:
-            fully_shard(module, **options)
-    fully_shard(model, **options)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return Placement(model, device, device)
 
 
