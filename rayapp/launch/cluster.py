@@ -159,6 +159,11 @@ class EmbeddedCluster:
         for index in range(1, self.nodes):
             self._start_node(index, [f"--address={self.address}"])
 
+    def _node_log(self, index: int) -> Path:
+        """Where node index's `ray start` writes its output; the log dir is set by start()."""
+        assert self.log_dir is not None
+        return self.log_dir / f"node-{index}.log"
+
     def _start_node(self, index: int, args: list[str]) -> None:
         # Each node gets its own dashboard-agent port (the default, 52365, is one per machine, so a
         # second cluster's head could not start its agent and the Jobs API would refuse jobs) and,
@@ -179,7 +184,7 @@ class EmbeddedCluster:
             f"--object-store-memory={OBJECT_STORE_BYTES}",
             *args,
         ]
-        log = open(self.log_dir / f"node-{index}.log", "a")
+        log = open(self._node_log(index), "a")
         # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray
         # Train's placement-group cleaner asks every second) find this one, not the one the last
         # plain `ray start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end
@@ -269,7 +274,7 @@ class EmbeddedCluster:
             if process.poll() is not None:
                 raise RayappError(
                     f"embedded Ray node {index} ({node_ip(index)}) exited with code "
-                    f"{process.returncode}; see {self.log_dir / f'node-{index}.log'}"
+                    f"{process.returncode}; see {self._node_log(index)}"
                 )
 
     def _wait_for_head(self) -> None:
