@@ -117,7 +117,9 @@ def split_model(model: nn.Module, stages: int) -> list[nn.Sequential]:
 
 def apply_pp(model: nn.Module, *, device: torch.device, spec: JobSpec) -> Placement:
     """This rank's stage of `model`, on `device` (the other stages' layers are dropped here)."""
-    stage = split_model(model, spec.train.pipeline.stages)[dist.get_rank()]
+    pipe = spec.train.pipeline
+    assert pipe is not None and pipe.stages is not None  # the spec resolves a pp job's stages
+    stage = split_model(model, pipe.stages)[dist.get_rank()]
     return Placement(stage.to(device), device, device)
 
 
@@ -181,6 +183,7 @@ def make_schedule(
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pipe = spec.train.pipeline
+    assert pipe is not None and pipe.stages is not None  # the spec resolves a pp job's stages
     stage = PipelineStage(model, rank, pipe.stages, device)
     for name in TIMED_STAGE_METHODS:
         if hasattr(stage, name):
