@@ -437,6 +437,8 @@ class TrainContext:
             self._epoch_stopped = time.perf_counter()
         epoch_time = self._epoch_stopped - self._epoch_started
         comm_time = self._comm_clock.take_total_s() if self._comm_clock is not None else math.nan
+        # a sampled estimate; the all-reduce runs within the compute phase, so never above it
+        comm_time = min(comm_time, self._compute_timer.total_s())
         # -- timing: the slowest rank's; samples: all ranks'; stopping: any rank's, in the same
         # all-reduce, so every rank reports and checkpoints this epoch and then stops alike
         epoch_time, compute_time, data_time, comm_time, peak_mem, stopping = (

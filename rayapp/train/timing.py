@@ -12,6 +12,8 @@ mark is a host clock reading.
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -177,9 +179,11 @@ class DdpCommClock:
     DDP's C++ reducer timestamps, in the iterations it samples, the launch of the first gradient
     bucket's all-reduce and the moment the last one has finished (CUDA events on GPUs, the clock
     on CPUs). The clock has it sample every `every`-th iteration (DDP itself always samples its
-    first ten), reads the span after its third step and every `every`-th one, and scales the mean
-    sampled span to the steps whose gradients were all-reduced. Only those reads touch DDP's
-    logger; on GPUs each is a device sync (DDP's own logging syncs at its sampled iterations too).
+    first ten), reads the span after its third step and every `every`-th one, and scales the
+    median of the latest RECENT sampled spans (a window across epochs: one slow sample, common on
+    shared CPUs, does not make an epoch's figure) to the steps whose gradients were all-reduced.
+    Only those reads touch DDP's logger; on GPUs each is a device sync (DDP's own logging syncs at
+    its sampled iterations too).
     Timing each bucket from a Python comm hook instead replaced DDP's built-in C++ all-reduce with
     a Python call and a completion callback per bucket, about 5% of a small model's step on Gloo.
 
@@ -190,6 +194,7 @@ class DdpCommClock:
 
     FIRST_SAMPLE = 3
     """DDP rebuilds its buckets in its first iterations; the first sample comes after them."""
+    RECENT = 8
 
     def __init__(self, ddp_model: nn.Module, every: int = 50) -> None:
         self._ddp_model = ddp_model
@@ -197,8 +202,7 @@ class DdpCommClock:
         self._every = every
         self._synced_steps = 0  # DDP's own count: iterations whose gradients it all-reduced
         self._last_iteration: int | None = None
-        self._spans_ns: list[int] = []  # sampled this epoch
-        self._latest_mean_ns: float | None = None  # for an epoch too short for a sample
+        self._recent_ns: collections.deque[int] = collections.deque(maxlen=self.RECENT)
         self._epoch_synced_steps = 0
         self._working = self._ddp_logger is not None
         if self._working:
@@ -233,19 +237,16 @@ class DdpCommClock:
             return
         if iteration != self._last_iteration:  # a stale figure (misaligned count) is not new
             self._last_iteration = iteration
-            self._spans_ns.append(span_ns)
+            self._recent_ns.append(span_ns)
 
     def take_total_s(self) -> float:
-        """Estimated seconds of gradient communication since the last call (mean sampled span
-        times the all-reduced steps; NaN if unmeasurable); clears."""
+        """Estimated seconds of gradient communication since the last call: the recent samples'
+        median span times the all-reduced steps (NaN if unmeasurable); starts the count anew."""
         steps, self._epoch_synced_steps = self._epoch_synced_steps, 0
-        spans, self._spans_ns = self._spans_ns, []
-        if spans:
-            self._latest_mean_ns = sum(spans) / len(spans)
         if not self._working:
             return float("nan")
         if steps == 0:
             return 0.0
-        if self._latest_mean_ns is None:
+        if not self._recent_ns:
             return float("nan")
-        return self._latest_mean_ns * steps / 1e9
+        return statistics.median(self._recent_ns) * steps / 1e9
