@@ -36,7 +36,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchroniz
 
 class TrainContext:
     """One worker's view of the job. Every rank runs the loop; only rank 0 writes to MLflow."""
+
+    _epoch_stopped: float | None
+    """When this epoch's batches ran out (None until they have); set afresh for each epoch."""
 
     def __init__(
         self,
@@ -147,9 +150,8 @@ class TrainContext:
         if self.spec.train.compile:
             # After the strategy: DDP's optimizer splits the graph at its buckets, FSDP2 compiles
             # through.
-            placement = Placement(
-                torch.compile(placement.model), placement.input_device, placement.output_device
-            )
+            compiled = cast(nn.Module, torch.compile(placement.model))  # an OptimizedModule
+            placement = Placement(compiled, placement.input_device, placement.output_device)
         self._placement = placement
         return placement.model
 
@@ -401,7 +403,7 @@ class TrainContext:
         self._data_timer = HostTimer()  # host-side waiting for batches: no device sync needed
         self._compute_timer = DeviceTimer(self.device, self.spec.train.timing_every)
         self._samples = 0
-        self._epoch_stopped: float | None = None
+        self._epoch_stopped = None
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._epoch_metrics = epoch, {}
