@@ -194,28 +194,36 @@ def train_loop(ctx):
                 ctx.backward(loss)
                 ctx.step(optimizer)
         ctx.log_epoch({"loss": ctx.mean(loss.detach())})
-        if epoch == ctx.args["stop_at"]:  # the same decision on every rank
-            break
+        if epoch == ctx.args["stop_at"]:
+            if ctx.args["how"] == "break":  # the same decision on every rank
+                break
+            if ctx.rank == 1:  # one rank's call is enough: the ranks agree at the epoch's end
+                ctx.stop()
     if ctx.trained_model is None:
-        raise RuntimeError("ctx.trained_model is None after the break")
+        raise RuntimeError("ctx.trained_model is None after the epochs loop")
 """
 
 
-def test_a_loop_that_breaks_early_logs_and_checkpoints_its_last_epoch(tmp_path):
+@pytest.mark.parametrize("how", ["break", "stop"])
+def test_a_loop_that_stops_early_logs_and_checkpoints_its_last_epoch(tmp_path, warm_cluster, how):
+    """A loop of 5 epochs stops at epoch 2: every rank breaks there, or rank 1 alone calls
+    ctx.stop(). Either way epochs 0-2 are logged once each, epoch 2 is checkpointed, the loop finds
+    ctx.trained_model set (and rayapp saves it), and the run is FINISHED, tagged early_stopped."""
     code, workdir = tmp_path / "code", tmp_path / "run"
     code.mkdir()
     workdir.mkdir()
     (code / "early.py").write_text(EARLY_STOPPING_LOOP)
     # Checkpoints every 2nd epoch: epoch 2 has one only because the loop stopped there.
     (code / "job.yaml").write_text(
-        textwrap.dedent("""
+        textwrap.dedent(f"""
         name: early_stop
-        train: {loop: "early:train_loop", args: {stop_at: 2}, epochs: 5}
-        checkpoint: {every_epochs: 2}
-        cluster: {nodes: 2}
+        train: {{loop: "early:train_loop", args: {{stop_at: 2, how: {how}}}, epochs: 5}}
+        checkpoint: {{every_epochs: 2}}
+        cluster: {{nodes: 2}}
+        tracking: {{system_metrics_s: 0}}
         """)
     )
-    result = run_rayapp("submit", str(code / "job.yaml"), cwd=workdir)
+    result = run_rayapp("submit", str(code / "job.yaml"), cwd=workdir, env=warm_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "stopped early after epoch 3/5" in result.stdout
     client = mlflow_client(workdir)
@@ -224,7 +232,7 @@ def test_a_loop_that_breaks_early_logs_and_checkpoints_its_last_epoch(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.tags[TAG_EARLY_STOPPED] == "true"
     for key in ("loss", "epoch_time_s", "samples_per_s"):
-        assert steps(client, run_id, key) == [0, 1, 2], key  # each epoch once, none after the break
+        assert steps(client, run_id, key) == [0, 1, 2], key  # each epoch once, none after it
     assert steps(client, run_id, "checkpoint_time_s") == [1, 2]
     assert steps(client, run_id, "total_time_s") == [2]
     # ctx.trained_model was set: rayapp saved the trained model from it
