@@ -170,3 +170,47 @@ def test_beats_note_when_each_rank_last_moved_and_forget_an_old_worker_group():
     assert {r: s["idle_s"] for r, s in beats.snapshot().items()} == {0: 30.0, 1: 0.0}
     beats.beat({"rank": 0, "token": "restarted", "marks": 0})  # a new worker group
     assert list(beats.snapshot()) == [0] and beats.snapshot()[0]["idle_s"] == 0.0
+
+
+TIMING_OUT = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+rank = int(sys.argv[1])
+dist.init_process_group(
+    "gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+    timeout=timedelta(seconds=3),
+)
+if rank == 1:
+    time.sleep(30)
+try:
+    dist.all_reduce(torch.ones(4))
+except Exception as exc:
+    print([line for line in str(exc).splitlines() if line.strip()][-1], flush=True)
+"""
+
+
+def test_a_real_gloo_timeout_is_recognised_and_explained(tmp_path):
+    script = tmp_path / "timing_out.py"
+    script.write_text(TIMING_OUT)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        error = processes[0].communicate(timeout=60)[0].strip()
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    spec = build_spec({}, {"train.collective_timeout_s": 3})
+    assert error, "rank 0's all_reduce did not time out"
+    assert explain_collective_timeout(error, spec) == (
+        f"{error} (a collective waited past train.collective_timeout_s = 3 s for a peer rank "
+        "that was lost or stuck)"
+    )
