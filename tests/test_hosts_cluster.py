@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -100,6 +99,8 @@ def filled_onprem_config(hosts: TestHosts, directory: Path) -> Path:
         ("head_ip: 10.0.0.10", f"head_ip: {head.address}"),
         ("[10.0.0.11, 10.0.0.12]", "[" + ", ".join(w.address for w in workers) + "]"),
         ("ssh_user: CHANGE-ME-user", f"ssh_user: {hosts.user}"),
+        # ssh reads ~ as the account's home, whatever HOME says: the key by its own path
+        ("ssh_private_key: ~/.ssh/id_ed25519", f"ssh_private_key: {hosts.key}"),
         ("CHANGE-ME-mlflow-host", mlflow.address),
     ]:
         assert text.count(old) == 1, f"onprem.yaml no longer has {old!r}"
@@ -158,10 +159,9 @@ def cluster(tmp_path_factory) -> Cluster:
     hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
     mlflow_server = tunnel = None
     config = None
-    # The laptop's home: the cluster's token and the SSH key where onprem.yaml expects them.
+    # The laptop's home, with the cluster's token where onprem.yaml expects it.
     home = work / "home"
-    (home / ".ssh").mkdir(parents=True)
-    shutil.copy(hosts.key, home / ".ssh" / "id_ed25519")
+    home.mkdir()
     env = {
         key: value
         for key, value in os.environ.items()
@@ -203,15 +203,21 @@ def cluster(tmp_path_factory) -> Cluster:
         )
         config = filled_onprem_config(hosts, work)
         started = time.monotonic()
-        up = subprocess.run(
-            [BIN / "ray", "up", "-y", "--no-config-cache", str(config)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert up.returncode == 0, f"ray up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        log = work / "ray-up.log"
+        with open(log, "w") as output:
+            try:
+                up = subprocess.run(
+                    [BIN / "ray", "up", "-y", "--no-config-cache", str(config)],
+                    cwd=REPO,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    timeout=240,
+                )
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"ray up took over 240 s:\n{log.read_text()[-4000:]}")
+        assert up.returncode == 0, f"ray up failed:\n{log.read_text()[-4000:]}"
 
         # The head's autoscaler starts the workers over SSH after `ray up` returns.
         def hosts_with_raylet() -> bool:
