@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,6 +157,7 @@ def cluster(tmp_path_factory) -> Cluster:
     except testhosts.HostsError as error:
         pytest.skip(str(error))
     work = tmp_path_factory.mktemp("hosts")
+    ssh_dirs_before = set(Path("/tmp").glob("ray_ssh_*"))  # Ray's SSH control sockets
     hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
     mlflow_server = tunnel = None
     config = None
@@ -260,6 +262,8 @@ def cluster(tmp_path_factory) -> Cluster:
             )
         end_group(mlflow_server)
         testhosts.down()
+        for directory in set(Path("/tmp").glob("ray_ssh_*")) - ssh_dirs_before:
+            shutil.rmtree(directory, ignore_errors=True)
     # Nothing made here is left: namespaces, links, sshd and Ray processes (their namespaces are
     # gone, so any left would show in the machine's own process list).
     assert testhosts.leftovers() == []
