@@ -10,6 +10,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,9 +61,11 @@ def workdir(tmp_path: Path) -> Path:
 
 
 class WarmClusterEnv(dict):
-    """The environment that points rayapp at the session's warm cluster (pass it as env=), and the
-    cluster's node processes (`ray start --block`), below which its jobs' workers run."""
+    """The environment that points rayapp at the session's warm cluster (pass it as env=), its
+    record (address, auth token), and its node processes (`ray start --block`), below which its
+    jobs' workers run."""
 
+    record: Any
     leaders: list[int]
 
     def training_workers(self) -> list[int]:
@@ -91,7 +94,7 @@ def warm_cluster(tmp_path_factory) -> Iterator[WarmClusterEnv]:
         with _environment(env):
             record = warm.find()
         assert record is not None, up.stdout
-        env.leaders = list(record.leaders)
+        env.record, env.leaders = record, list(record.leaders)
         yield env
     finally:
         down = run_rayapp("cluster", "down", cwd=directory, env=env, timeout=120)

@@ -13,7 +13,6 @@ from conftest import (
     JOBS,
     alive,
     cmdline,
-    connect,
     descendants,
     kill_one_training_worker,
     mlflow_client,
@@ -130,23 +129,11 @@ def test_sigterm_stops_a_job_on_the_warm_cluster_and_marks_the_run_killed(workdi
     assert all(alive(pid) for pid in warm_cluster.leaders)
 
 
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A cluster this test starts and stops itself (by process session, never `ray stop`)."""
-    import ray
-
-    cluster = EmbeddedCluster(nodes=2, cpus_per_node=1)
-    cluster.start()
-    try:
-        try:
-            connect(
-                cluster
-            )  # only to see every node alive: the tests reach the cluster through the CLI
-        finally:
-            ray.shutdown()
-        yield cluster
-    finally:
-        cluster.stop()
+@pytest.fixture
+def two_node_cluster(warm_cluster):
+    """A running 2-node cluster that is not the command's own: the session's warm cluster, named
+    by its address (as a user names theirs), not found through its record."""
+    return warm_cluster.record
 
 
 def test_more_nodes_than_the_cluster_has_fails_fast(workdir, two_node_cluster):
@@ -279,7 +266,12 @@ def test_progress_lives_on_the_driver_node_and_its_loss_never_fails_training(two
     from rayapp.spec.loader import load_spec
     from rayapp.train.config import WorkerConfig
 
-    connect(two_node_cluster)
+    two_node_cluster.prepare_client()
+    ray.init(
+        address=two_node_cluster.address,
+        _node_ip_address=two_node_cluster.head_ip,
+        log_to_driver=False,
+    )
     try:
         shown: list = []
         with progress_pump(shown.append) as queue:
