@@ -26,7 +26,7 @@ from rayapp.launch.node_check import MARKER_PREFIX, NodeCheck, check_nodes, run_
 pytestmark = pytest.mark.integration
 
 UNASSIGNED = "198.18.0.254"
-"""In the benchmark-testing range; the namespace below holds 198.18.0.1/24 and nothing else."""
+"""In the benchmark-testing range; the namespace below holds 198.18.0.1/24 and no other address."""
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -85,8 +85,10 @@ def test_a_head_nothing_listens_at_is_one_line(tmp_path):
 
 @contextlib.contextmanager
 def isolated_namespace():
-    """A network namespace whose only outside is a dummy interface holding 198.18.0.1/24: packets
-    for 198.18.0.0/24 vanish there unanswered, and it has no route anywhere else."""
+    """A network namespace of the test's own whose one link is a veth pair with both ends inside
+    it: 198.18.0.1/24 on one end, nothing on the other. 198.18.0.254 is pinned to a hardware
+    address no interface has, so the connection attempts leave the first end and vanish unanswered
+    (as behind a firewall that drops them); the namespace has no route anywhere else."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2's `ip`")
     name = f"rayapp-check-{secrets.token_hex(3)}"
@@ -102,13 +104,16 @@ def isolated_namespace():
         pytest.skip(f"cannot make a network namespace here: {exc.stderr.strip()}")
     try:
         ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", name, "link", "add", "blackhole0", "type", "dummy")
-        ip("-n", name, "addr", "add", "198.18.0.1/24", "dev", "blackhole0")
-        ip("-n", name, "link", "set", "blackhole0", "up")
+        ip("-n", name, "link", "add", "check0", "type", "veth", "peer", "name", "check1")
+        ip("-n", name, "addr", "add", "198.18.0.1/24", "dev", "check0")
+        ip("-n", name, "link", "set", "check0", "up")
+        ip("-n", name, "link", "set", "check1", "up")
+        ip("-n", name, "neigh", "add", UNASSIGNED, "lladdr", "02:00:00:00:00:fe", "dev", "check0")
         routes = ip("-n", name, "route", "show")
         assert "default" not in routes and routes.strip().startswith("198.18.0.0/24"), routes
         yield name, ip
     finally:
+        # Deleting the namespace deletes the veth pair inside it.
         subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=10)
 
 
@@ -138,12 +143,12 @@ def test_an_unassigned_head_address_times_out_in_seconds(tmp_path):
             env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
         )
         elapsed = time.monotonic() - started
-        sent = ip("-n", namespace, "-s", "link", "show", "blackhole0")
+        sent = ip("-n", namespace, "-s", "link", "show", "check0")
     assert result.returncode == 1
     line = one_error_line(result)
     assert f"no answer from http://{UNASSIGNED}:8265 within {REACH_TIMEOUT_S:g} s" in line, line
     assert REACH_TIMEOUT_S <= elapsed < REACH_TIMEOUT_S + 30, elapsed
-    # The connection attempts went out of the namespace's one interface, and nowhere else.
+    # The connection attempts left by the namespace's one addressed interface, and nowhere else.
     tx_packets = int(sent.split("TX:")[1].split("\n")[1].split()[1])
     assert tx_packets > 0, sent
 
