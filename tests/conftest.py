@@ -102,15 +102,17 @@ def warm_cluster(tmp_path_factory) -> Iterator[WarmClusterEnv]:
 
 
 def kill_one_training_worker(roots: list[int]) -> None:
-    """SIGKILL one Ray Train worker process below roots (a rayapp process that started its own
-    cluster, or a warm cluster's nodes)."""
+    """SIGKILL the newest Ray Train worker process below roots (a rayapp process that started its
+    own cluster, or a warm cluster's nodes): one of the running job's, not of a job that ended."""
     import signal
+
+    import psutil
 
     workers = [
         pid for root in roots for pid in descendants(root) if "RayTrainWorker" in cmdline(pid)
     ]
     assert workers, f"no RayTrainWorker process found below {roots}"
-    os.kill(workers[-1], signal.SIGKILL)
+    os.kill(max(workers, key=lambda pid: psutil.Process(pid).create_time()), signal.SIGKILL)
 
 
 @contextlib.contextmanager

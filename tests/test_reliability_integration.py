@@ -120,7 +120,7 @@ def test_sigterm_stops_a_job_on_the_warm_cluster_and_marks_the_run_killed(workdi
     try:
         wait_for_line(process, "  1/200  loss")
         workers = warm_cluster.training_workers()
-        assert len(workers) == 2, workers
+        assert len(workers) >= 2, workers  # the job's two (and any of a job still ending)
         stop_and_check(workdir, process, signal.SIGTERM, 143, "terminated by SIGTERM;")
     finally:
         if process.poll() is None:
