@@ -10,15 +10,16 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import JOBS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rayapp.spec.loader import build_spec
+from rayapp.spec.loader import build_spec, load_spec
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_PEAK_TFLOPS_SOURCE
 from rayapp.train.config import WorkerConfig
 from rayapp.train.context import TrainContext
-from rayapp.train.efficiency import EpochEfficiency, step_time_stats
+from rayapp.train.efficiency import EpochEfficiency, step_time_stats, step_to_count
 from rayapp.train.flops import device_peak, table_peak
 
 # Linear(64, 256) -> ReLU -> Linear(256, 8) on inputs that need no gradient: forward 2 x MACs,
@@ -68,8 +69,8 @@ def test_flops_counted_on_the_first_step_give_tflops_and_mfu():
     ready = []
     efficiency.watch(model, ddp, lambda: ready.append(True))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    for _ in range(3):
-        with efficiency.counting_first_step(lambda: 32):
+    for step in range(1, 4):
+        with efficiency.counting_step(lambda step=step: 32 * step):  # 32 samples a step
             _step(ddp, optimizer)
     assert len(ready) == 3  # the first parameter's gradient: once per backward
 
@@ -91,11 +92,32 @@ def test_a_model_that_states_its_flops_per_sample_is_not_counted():
         device=torch.device("cpu"), precision="fp32", logger=RecordingLogger()
     )
     efficiency.watch(model, model, lambda: None)
-    with efficiency.counting_first_step(lambda: 32):
+    with efficiency.counting_step(lambda: 32):
         _step(model, torch.optim.SGD(model.parameters(), lr=0.01))
     metrics = efficiency.epoch_metrics(samples=1000, step_times_s=[], epoch_time_s=1.0, rank=0)
     assert metrics["tflops_per_s"] == pytest.approx(1e9 / 1e12)
     assert math.isnan(metrics["rank0_step_time_median_s"])  # no steps timed
+
+
+def test_which_step_is_counted():
+    assert step_to_count(build_spec({}, {}).train) == 1
+    assert step_to_count(load_spec(JOBS / "mlp_pipeline.yaml").train) == 2  # strategy pp
+    assert step_to_count(build_spec({"train": {"compile": True}}, {}).train) is None
+
+
+def test_a_later_counted_step_is_counted_with_its_own_samples():
+    efficiency = EpochEfficiency(
+        device=torch.device("cpu"), precision="fp32", logger=RecordingLogger(), counted_step=2
+    )
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = 0
+    for samples in (32, 16, 64):  # the second step's 16 samples are the ones counted
+        seen += samples
+        with efficiency.counting_step(lambda seen=seen: seen):
+            _step(model, optimizer, samples)
+    metrics = efficiency.epoch_metrics(samples=112, step_times_s=[], epoch_time_s=1.0, rank=0)
+    assert metrics["tflops_per_s"] == pytest.approx(FLOPS_PER_SAMPLE * 112 / 1e12)
 
 
 def test_the_context_counts_flops_and_marks_gradients_in_its_steps():

@@ -2,15 +2,21 @@
 batch.
 
 One MLflow store holds three real runs of jobs/mlp_synthetic.yaml (strong scaling, global batch
-256): DDP on 1 node, DDP on 2 nodes, FSDP on 2 nodes.
+256): DDP on 1 node, DDP on 2 nodes, FSDP on 2 nodes. The DDP 2-node run also checks the logged
+FLOP rate against an independent count, and each rank's step times.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
+import yaml
 from conftest import JOBS, mlflow_client, run_rayapp
+
+from rayapp.reports.compare import load_summaries
+from rayapp.tracking.run import TAG_NODE_IPS, TAG_PEAK_TFLOPS_SOURCE
 
 pytestmark = pytest.mark.integration
 
@@ -82,3 +88,37 @@ def test_fsdp_trains_on_cpu_and_shards_parameters(runs):
     # epoch.
     comm = history(client, fsdp, "comm_time_s")
     assert len(comm) == EPOCHS and all(math.isnan(value) for value in comm)
+
+
+def test_ddp_flop_rate_matches_an_independent_count_and_names_every_ranks_step_times(runs):
+    client, found = runs
+    ddp = found["ddp2"]
+    job = yaml.safe_load((JOBS / "mlp_synthetic.yaml").read_text())
+    widths = [job["data"]["features"], *job["model"]["hidden"], job["data"]["targets"]]
+    multiply_adds = sum(a * b for a, b in itertools.pairwise(widths))
+    # 2 FLOPs per multiply-add, x3 for forward and backward, times the samples per second.
+    independent = [
+        2 * multiply_adds * 3 * samples_per_s / 1e12
+        for samples_per_s in history(client, ddp, "samples_per_s")
+    ]
+    logged = history(client, ddp, "tflops_per_s")
+    assert len(logged) == EPOCHS
+    for ours, theirs in zip(logged, independent, strict=True):
+        assert ours == pytest.approx(theirs, rel=0.2)
+    peaks, mfu = history(client, ddp, "peak_tflops"), history(client, ddp, "mfu")
+    assert all(peak > 0 for peak in peaks)
+    assert mfu == pytest.approx([t / p for t, p in zip(logged, peaks, strict=True)])
+    assert ddp.data.tags[TAG_PEAK_TFLOPS_SOURCE] == "measured:matmul"  # CPUs: no table
+    for rank in (0, 1):  # each rank's own step times, every epoch; p95 at or above the median
+        medians = history(client, ddp, f"rank{rank}_step_time_median_s")
+        p95s = history(client, ddp, f"rank{rank}_step_time_p95_s")
+        assert len(medians) == EPOCHS and all(
+            0 < m <= p for m, p in zip(medians, p95s, strict=True)
+        )
+    assert "rank2_step_time_median_s" not in ddp.data.metrics
+    # compare names the slower of the two ranks and the node it ran on
+    uri = client.tracking_uri
+    (summary,) = load_summaries(uri, run_ids=[ddp.info.run_id])
+    assert summary.slowest_rank in (0, 1) and summary.step_time_spread >= 1.0
+    assert summary.slowest_node == ddp.data.tags[TAG_NODE_IPS].split(",")[summary.slowest_rank]
+    assert summary.mfu > 0

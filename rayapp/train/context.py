@@ -48,7 +48,7 @@ from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, T
 from rayapp.train import checkpoint, collectives, heartbeat, socket_ifname, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.data import build_loader, shard_sampler
-from rayapp.train.efficiency import EpochEfficiency
+from rayapp.train.efficiency import EpochEfficiency, step_to_count
 from rayapp.train.stepping import Stepper
 from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
@@ -103,7 +103,7 @@ class TrainContext:
             device=device,
             precision=self.spec.train.precision,
             logger=logger,
-            count_flops=not self.spec.train.compile,  # FlopCounterMode and torch.compile: apart
+            counted_step=step_to_count(self.spec.train),
         )
         self._samples_before_epoch = self._samples = 0
         self._reset_epoch_clocks()
@@ -275,7 +275,7 @@ class TrainContext:
         self._compute_timer.start()
         with (
             self._stepper.gradient_sync(self._placement.model if self._placement else None),
-            self._efficiency.counting_first_step(lambda: self._samples),
+            self._efficiency.counting_step(lambda: self._samples_before_epoch + self._samples),
         ):
             yield
             if self._comm_clock is not None:  # inside: DDP's no_sync still says if it all-reduced

@@ -22,9 +22,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rayapp.spec import TrainSpec
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_PEAK_TFLOPS_SOURCE
 from rayapp.train.flops import Peak, device_peak
+
+
+def step_to_count(train: TrainSpec) -> int | None:
+    """Which step of an attempt has its FLOPs counted: the first; under pp the second (the first
+    sets the stages up with autograd.grad calls FlopCounterMode cannot follow); none under
+    train.compile (FlopCounterMode does not trace through compiled code)."""
+    if train.compile:
+        return None
+    return 2 if train.strategy == "pp" else 1
 
 
 class EpochEfficiency:
@@ -34,12 +44,16 @@ class EpochEfficiency:
         device: torch.device,
         precision: str,
         logger: NullLogger,
-        count_flops: bool = True,
+        counted_step: int | None = 1,
     ) -> None:
+        """counted_step: the step of the attempt whose FLOPs are counted (1: the first); None:
+        none (FlopCounterMode does not trace through torch.compile'd models)."""
         self._device, self._precision, self._logger = device, precision, logger
         self._flops_per_sample: float | None = None
         self._flops_per_step: float | None = None  # a loop that gives rayapp no batches
-        self._count_pending = count_flops  # False: torch.compile'd models are not counted
+        self._counted_step = counted_step
+        self._count_pending = counted_step is not None
+        self._steps, self._samples_seen = 0, 0
         self._peak: Peak | None = None
         self._ready_hook: torch.utils.hooks.RemovableHandle | None = None
 
@@ -63,9 +77,12 @@ class EpochEfficiency:
             self._ready_hook = first.register_post_accumulate_grad_hook(lambda _: on_grads_ready())
 
     @contextlib.contextmanager
-    def counting_first_step(self, samples_in_step: Callable[[], int]) -> Iterator[None]:
-        """Around a step: the first one's FLOPs are counted (FlopCounterMode); later ones pass."""
-        if not self._count_pending:
+    def counting_step(self, samples_seen: Callable[[], int]) -> Iterator[None]:
+        """Around every step, its batch already taken (`samples_seen`: the attempt's samples so
+        far): the counted step's FLOPs are counted with FlopCounterMode; the others pass."""
+        seen, self._steps = samples_seen(), self._steps + 1
+        samples, self._samples_seen = seen - self._samples_seen, seen
+        if not self._count_pending or self._steps != self._counted_step:
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
@@ -73,7 +90,7 @@ class EpochEfficiency:
         self._count_pending = False
         with FlopCounterMode(display=False) as counter:
             yield
-        flops, samples = counter.get_total_flops(), samples_in_step()
+        flops = counter.get_total_flops()
         if samples > 0:
             self._flops_per_sample = flops / samples
         else:
