@@ -64,6 +64,7 @@ def newest_run_metrics(workdir: str) -> dict[str, float]:
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     experiment = client.get_experiment_by_name("rayapp")
+    assert experiment is not None, f"no experiment 'rayapp' in {workdir}/mlflow.db"
     (run,) = client.search_runs(
         [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1
     )
