@@ -9,8 +9,9 @@ from pathlib import Path
 
 from rayapp.launch import netns
 
-PREFIX = "rayapp-"
-"""Names of the namespaces and links made here start with it (links are at most 15 characters)."""
+PREFIX = "rayapp-th-"
+"""Names of the namespaces and links made here start with it, and nothing else's (links are at
+most 15 characters: rayapp-th-v101)."""
 BRIDGE = PREFIX + "br0"
 ISOLATED_BRIDGE = PREFIX + "br1"
 SUBNET = "198.18.0"
