@@ -14,13 +14,8 @@ from torch import nn
 
 from rayapp.cli import main
 from rayapp.spec.loader import build_spec, load_spec
-from rayapp.train.pipeline import (
-    StageBatches,
-    balanced_split,
-    bubble_ideal,
-    layer_units,
-    split_model,
-)
+from rayapp.train.pipeline import StageBatches, bubble_ideal
+from rayapp.train.pipeline_split import balanced_split, layer_units, split_model
 
 JOB = JOBS / "mlp_pipeline.yaml"
 

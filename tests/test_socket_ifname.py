@@ -22,6 +22,11 @@ def test_loopback_addresses_are_on_lo():
     assert socket_ifname.interface_holding("127.0.0.1") == "lo"
 
 
+def test_other_loopback_addresses_are_on_lo_too():
+    # lo lists only 127.0.0.1 but answers for 127.0.0.0/8: the embedded cluster's nodes live there
+    assert socket_ifname.interface_holding("127.0.0.3") == "lo"
+
+
 def test_an_address_no_interface_holds_gives_none():
     assert socket_ifname.interface_holding("198.18.255.254") is None
 

@@ -27,7 +27,6 @@ transfer plus waiting, the idle time whose share is the bubble.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,79 +39,12 @@ from rayapp.spec import JobSpec
 from rayapp.train import collectives
 from rayapp.train.data import build_datasets, build_loader, shard_sampler
 from rayapp.train.models import build_loss, build_model, build_optimizer
+from rayapp.train.pipeline_split import split_model
 from rayapp.train.strategies import Placement, local_parameter_bytes
 from rayapp.train.timing import DeviceTimer
 
 TIMED_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad")
 """A stage's own compute inside a schedule step (the loss is timed through the loss function)."""
-
-
-# ---- the split -------------------------------------------------------------------------
-
-
-def layer_units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
-    """The children of an nn.Sequential as the units a split may not cut: each layer with
-    parameters, followed by the parameterless layers after it (leading ones go with the first)."""
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(
-            "strategy pp splits an nn.Sequential by its layers; "
-            f"the model is {type(model).__name__}: "
-            "use model.kind mlp, or a model.factory returning an nn.Sequential"
-        )
-    units: list[list[tuple[str, nn.Module]]] = []
-    for name, child in model.named_children():
-        if units and (not _param_count(child) or not any(_param_count(m) for _, m in units[-1])):
-            units[-1].append((name, child))
-        else:
-            units.append([(name, child)])
-    return units
-
-
-def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def balanced_split(sizes: list[int], parts: int) -> list[tuple[int, int]]:
-    """`sizes` cut into `parts` contiguous, non-empty [start, end) ranges whose largest sum is as
-    small as it can be (ties: the earliest cut). Exact, by dynamic programming over the cut
-    points."""
-    n = len(sizes)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} layer unit(s) into {parts} stage(s)")
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    # best[k][i]: the smallest largest-part sum of sizes[:i] cut into k parts; cut[k][i]: its last
-    # cut
-    best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    ranges, end = [], n
-    for k in range(parts, 0, -1):
-        ranges.append((cut[k][end], end))
-        end = cut[k][end]
-    return ranges[::-1]
-
-
-def split_model(model: nn.Module, stages: int) -> list[nn.Sequential]:
-    """Every stage of `model`, as nn.Sequentials whose layers keep their names in the model."""
-    units = layer_units(model)
-    if len(units) < stages:
-        raise ValueError(
-            f"strategy pp: the model has {len(units)} layer(s) with parameters to split, "
-            f"fewer than train.pipeline.stages {stages}; use a deeper model or fewer stages"
-        )
-    ranges = balanced_split([sum(_param_count(m) for _, m in unit) for unit in units], stages)
-    return [
-        nn.Sequential(OrderedDict(layer for unit in units[start:end] for layer in unit))
-        for start, end in ranges
-    ]
 
 
 def apply_pp(model: nn.Module, *, device: torch.device, spec: JobSpec) -> Placement:

@@ -22,16 +22,30 @@ TAG_SOCKET_IFNAMES = "rayapp.socket_ifnames"
 
 
 def interface_holding(address: str) -> str | None:
-    """The name of the network interface that holds `address` (IPv4 or IPv6), or None."""
+    """The name of the network interface that holds `address` (IPv4 or IPv6), or None.
+
+    An address an interface holds outright wins; failing that, the interface whose network
+    contains it: loopback answers for all of 127.0.0.0/8 while listing only 127.0.0.1."""
+    import ipaddress
+
     import psutil
 
-    wanted = address.split("%")[0]
+    wanted = ipaddress.ip_address(address.split("%")[0])
+    containing: str | None = None
     for name, addresses in psutil.net_if_addrs().items():
         for entry in addresses:
-            if entry.family in (socket.AF_INET, socket.AF_INET6):
-                if entry.address.split("%")[0] == wanted:
-                    return str(name)
-    return None
+            if entry.family not in (socket.AF_INET, socket.AF_INET6) or not entry.netmask:
+                continue
+            held = ipaddress.ip_address(entry.address.split("%")[0])
+            if held == wanted:
+                return str(name)
+            if held.version != wanted.version:
+                continue
+            prefix = bin(int(ipaddress.ip_address(entry.netmask))).count("1")
+            network = ipaddress.ip_network(f"{held}/{prefix}", strict=False)
+            if containing is None and prefix > 0 and wanted in network:
+                containing = str(name)
+    return containing
 
 
 def pin_socket_interfaces() -> None:
