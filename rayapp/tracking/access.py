@@ -42,20 +42,26 @@ def host_header(uri: str) -> str:
     return urlparse(uri).netloc.rsplit("@", 1)[-1]
 
 
+def request_auth(
+    credentials: Mapping[str, str],
+) -> tuple[tuple[str, str] | None, dict[str, str]]:
+    """The basic-auth pair or the bearer header (requests' `auth`, `headers`) that MLflow's client
+    would send with these MLFLOW_TRACKING_* credentials; a token wins over a user name."""
+    if "MLFLOW_TRACKING_TOKEN" in credentials:
+        return None, {"Authorization": f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"}
+    if "MLFLOW_TRACKING_USERNAME" in credentials:
+        user = credentials["MLFLOW_TRACKING_USERNAME"]
+        return (user, credentials.get("MLFLOW_TRACKING_PASSWORD", "")), {}
+    return None, {}
+
+
 def ask_server(
     uri: str, credentials: Mapping[str, str], timeout_s: float = ACCESS_CHECK_TIMEOUT_S
 ) -> ServerAnswer:
     """One GET of the server's experiment search with these credentials."""
     import requests
 
-    auth, headers = None, {}
-    if "MLFLOW_TRACKING_TOKEN" in credentials:
-        headers["Authorization"] = f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"
-    elif "MLFLOW_TRACKING_USERNAME" in credentials:
-        auth = (
-            credentials["MLFLOW_TRACKING_USERNAME"],
-            credentials.get("MLFLOW_TRACKING_PASSWORD", ""),
-        )
+    auth, headers = request_auth(credentials)
     try:
         response = requests.get(
             f"{uri.rstrip('/')}{ACCESS_CHECK_PATH}",

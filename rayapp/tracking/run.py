@@ -237,15 +237,9 @@ def _server_get(tracking_uri: str, path: str, params: Mapping[str, Any]) -> Any 
     (MLflow's own client retries for minutes); None when the server does not answer."""
     import requests
 
-    credentials = credentials_from_env()
-    auth, headers = None, {}
-    if "MLFLOW_TRACKING_TOKEN" in credentials:
-        headers["Authorization"] = f"Bearer {credentials['MLFLOW_TRACKING_TOKEN']}"
-    elif "MLFLOW_TRACKING_USERNAME" in credentials:
-        auth = (
-            credentials["MLFLOW_TRACKING_USERNAME"],
-            credentials.get("MLFLOW_TRACKING_PASSWORD", ""),
-        )
+    from rayapp.tracking.access import request_auth
+
+    auth, headers = request_auth(credentials_from_env())
     try:
         return requests.get(
             f"{tracking_uri.rstrip('/')}{path}",
