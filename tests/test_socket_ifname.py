@@ -13,8 +13,13 @@ from rayapp.train.socket_ifname import SOCKET_IFNAME_VARS
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # setenv first, so that undoing it restores the variable's absence as well:
+    # pin_socket_interfaces sets it behind monkeypatch's back, and a value left over (this
+    # process's interface, not the test cluster's) would reach every rayapp the later tests
+    # start, as a user's choice
     for variable in SOCKET_IFNAME_VARS:
-        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
     return monkeypatch
 
 
