@@ -38,6 +38,14 @@ def check_one_source(path: str, kind: object, factory: object) -> None:
         )
 
 
+def _kind_unless_given(data: Any, kind: str) -> Any:
+    """A section's document with `kind` set when it names neither a kind nor a factory."""
+    fields = given_fields(data)
+    if fields is None or fields.get("kind") is not None or fields.get("factory") is not None:
+        return data
+    return with_fields(data, {**fields, "kind": kind})
+
+
 @section("model")
 @dataclass(frozen=True, kw_only=True, config=SECTION_CONFIG)
 class ModelSpec:
@@ -62,10 +70,7 @@ class ModelSpec:
     @model_validator(mode="before")
     @classmethod
     def _built_in_by_default(cls, data: Any) -> Any:
-        fields = given_fields(data)
-        if fields is None or fields.get("kind") is not None or fields.get("factory") is not None:
-            return data
-        return with_fields(data, {**fields, "kind": "linear"})
+        return _kind_unless_given(data, "linear")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -135,10 +140,7 @@ class DataSpec:
     @model_validator(mode="before")
     @classmethod
     def _built_in_by_default(cls, data: Any) -> Any:
-        fields = given_fields(data)
-        if fields is None or fields.get("kind") is not None or fields.get("factory") is not None:
-            return data
-        return with_fields(data, {**fields, "kind": "random"})
+        return _kind_unless_given(data, "random")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
