@@ -33,6 +33,7 @@ import contextlib
 import io
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -76,6 +77,7 @@ command's."""
 COMMANDS = ("submit", "bench")
 """The commands that run a job on the warm cluster; every other one is quick in its own process."""
 START_TIMEOUT_S = 120.0
+EXIT_WAIT_S = 30.0
 _MESSAGE_BYTES = 1 << 20
 
 
@@ -164,7 +166,9 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> int | None:
         return None
     child = first["pid"]
     forwarder.forward_to(child)
+    exited = _exit_watch(child)
     last = receive_reply(first["replies"])
+    _wait_until_gone(exited)
     if "exit" not in last:
         print(
             f"rayapp: the run's process {child} ended without an exit status (killed?)",
@@ -172,6 +176,27 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> int | None:
         )
         return 1
     return last["exit"]
+
+
+def _exit_watch(pid: int) -> int | None:
+    """A descriptor that becomes readable when the process pid has exited (a pidfd: the server's
+    child is not this command's, so waitpid cannot wait on it); None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):  # gone already, or a kernel without pidfds
+        return None
+
+
+def _wait_until_gone(exited: int | None, timeout_s: float = EXIT_WAIT_S) -> None:
+    """The child sends its exit status just before it exits: the command returns once that
+    process has gone too, as a command that ran in its own process would, so nothing of its run
+    outlives it (a Ctrl-C'd run, a next command started at once)."""
+    if exited is None:
+        return
+    try:
+        select.select([exited], [], [], timeout_s)
+    finally:
+        os.close(exited)
 
 
 def _request(socket_path: Path, argv: list[str], sigint_ignored: bool) -> dict:
