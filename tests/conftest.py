@@ -146,6 +146,18 @@ def mlflow_client(workdir: Path):
     return MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
 
 
+def load_logged_model(workdir: Path, model_uri: str, loader: Any = None) -> Any:
+    """An MLflow Model from workdir's store (``runs:/ID/model``, ``models:/NAME/VERSION``),
+    through `loader` (default mlflow.pyfunc.load_model)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    try:
+        return (loader or mlflow.pyfunc.load_model)(model_uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
 def only_run(client, experiment: str = "rayapp"):
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"experiment {experiment!r} was not created"

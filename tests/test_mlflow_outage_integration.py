@@ -20,8 +20,8 @@ def assert_complete(client: MlflowClient, run) -> None:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(EPOCHS)), f"{key} logged at {steps}"
     assert "total_time_s" in run.data.metrics
-    assert "model/model_state_dict.pt" in {
-        a.path for a in client.list_artifacts(run.info.run_id, "model")
+    assert "state_dict/model_state_dict.pt" in {
+        a.path for a in client.list_artifacts(run.info.run_id, "state_dict")
     }
 
 

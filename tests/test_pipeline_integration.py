@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+import mlflow.pytorch
 import pytest
 import torch
 from conftest import (
     JOBS,
     kill_one_training_worker,
+    load_logged_model,
     mlflow_client,
     only_run,
     run_rayapp,
@@ -112,9 +114,16 @@ def test_gpipe_matches_one_process_and_halves_parameters_per_rank(workdir, warm_
         samples / metrics["epoch_time_s"], rel=1e-6
     )
 
-    # The model artifact is the whole model, gathered from both stages.
-    (path,) = workdir.glob("mlartifacts/*/artifacts/model/model_state_dict.pt")
-    build_model(load_spec(JOB)).load_state_dict(torch.load(path))
+    # The model artifact is the whole model, gathered from both stages; so is the MLflow Model.
+    (path,) = workdir.glob("mlartifacts/*/artifacts/state_dict/model_state_dict.pt")
+    whole = build_model(load_spec(JOB))
+    whole.load_state_dict(torch.load(path))
+    logged = load_logged_model(
+        workdir, f"runs:/{run.info.run_id}/model", loader=mlflow.pytorch.load_model
+    )
+    inputs = torch.randn(4, whole[0].in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(logged(inputs), whole.eval()(inputs))
 
 
 def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir, warm_cluster):

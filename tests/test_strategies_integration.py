@@ -12,6 +12,7 @@ import itertools
 import math
 
 import pytest
+import torch
 import yaml
 from conftest import JOBS, mlflow_client, run_rayapp
 
@@ -88,6 +89,26 @@ def test_fsdp_trains_on_cpu_and_shards_parameters(runs):
     # epoch.
     comm = history(client, fsdp, "comm_time_s")
     assert len(comm) == EPOCHS and all(math.isnan(value) for value in comm)
+    # The MLflow Model is the whole model, gathered from both shards: every parameter, and the
+    # same function as DDP's model trained on the same batches.
+    fsdp_model, ddp_model = (logged_model(client, run) for run in (fsdp, ddp))
+    assert sum(p.numel() for p in fsdp_model.parameters()) == sum(
+        p.numel() for p in ddp_model.parameters()
+    )
+    inputs = torch.randn(8, fsdp_model[0].in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(fsdp_model(inputs), ddp_model(inputs), rtol=1e-2, atol=1e-3)
+
+
+def logged_model(client, run):
+    """The run's MLflow Model `model`, loaded as torch from where MLflow stored it."""
+    import mlflow.pytorch
+
+    (model,) = client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string="name = 'model'"
+    )
+    assert model.source_run_id == run.info.run_id
+    return mlflow.pytorch.load_model(model.artifact_location)
 
 
 def test_ddp_flop_rate_matches_an_independent_count_and_names_every_ranks_step_times(runs):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from conftest import JOBS, mlflow_client, only_run, run_rayapp
+from conftest import JOBS, load_logged_model, mlflow_client, only_run, run_rayapp
 
+from rayapp.spec.loader import load_spec
 from rayapp.tracking.run import EPOCH_METRICS, TAG_CLUSTER, TAG_NODE_IDS, TAG_NODE_IPS
+from rayapp.train.data import build_datasets
 
 pytestmark = pytest.mark.integration
 
@@ -88,8 +91,11 @@ def test_seed_linear_on_two_nodes(workdir):
     comm = [m.value for m in client.get_metric_history(run.info.run_id, "comm_time_s")]
     epoch = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
     assert all(0 < c < e for c, e in zip(comm, epoch, strict=True)), (comm, epoch)
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
-    assert "model/model_state_dict.pt" in artifacts
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "state_dict")}
+    assert "state_dict/model_state_dict.pt" in artifacts
+    # The trained model as an MLflow Model, gathered to rank 0 and served by pyfunc.
+    model = load_logged_model(workdir, f"runs:/{run.info.run_id}/model")
+    assert model.predict(np.zeros((3, 10), dtype=np.float32)).shape == (3, 10)
 
     # Why a run scales or not: start-up phases, step-level metrics, each node's system metrics.
     for key in ("startup_cluster_s", "startup_workers_s"):
@@ -118,6 +124,8 @@ def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):
         "2",
         "--epochs",
         "8",
+        "--register-model",
+        "digits-mlp",
         str(JOBS / "digits_mlp.yaml"),
         cwd=workdir,
     )
@@ -125,6 +133,15 @@ def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):
     assert "workers landed on" not in result.stdout
     run = only_run(mlflow_client(workdir))
     assert run.data.metrics["test_accuracy"] > 0.85
+    # The logged MLflow Model scores the test split as the run's last epoch did; the registry
+    # holds it as version 1 of the name --register-model gave.
+    assert "model registered: digits-mlp version 1" in result.stdout
+    test_set = build_datasets(load_spec(str(JOBS / "digits_mlp.yaml"))).test
+    inputs, labels = test_set[:]
+    for uri in (f"runs:/{run.info.run_id}/model", "models:/digits-mlp/1"):
+        scores = load_logged_model(workdir, uri).predict(inputs.numpy())
+        accuracy = float((scores.argmax(axis=1) == labels.numpy()).mean())
+        assert accuracy == pytest.approx(run.data.metrics["test_accuracy"], abs=0.01), uri
     assert (run.data.params["workers_per_node"], run.data.params["world_size"]) == ("2", "2")
     assert run.data.params["batch_size"] == "32"  # global batch 64 split over 2 workers
     node_ids = run.data.tags[TAG_NODE_IDS].split(",")

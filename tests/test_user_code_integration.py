@@ -235,8 +235,12 @@ def test_a_loop_that_stops_early_logs_and_checkpoints_its_last_epoch(tmp_path, w
         assert steps(client, run_id, key) == [0, 1, 2], key  # each epoch once, none after it
     assert steps(client, run_id, "checkpoint_time_s") == [1, 2]
     assert steps(client, run_id, "total_time_s") == [2]
-    # ctx.trained_model was set: rayapp saved the trained model from it
-    assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/model_state_dict.pt"]
+    # ctx.trained_model was set: rayapp saved the trained model from it (its state dict: a loop
+    # of the user's own trains a model rayapp cannot rebuild as an MLflow Model)
+    assert [a.path for a in client.list_artifacts(run_id, "state_dict")] == [
+        "state_dict/model_state_dict.pt"
+    ]
+    assert client.list_artifacts(run_id, "model") == []
     (trial,) = (workdir / "rayapp_results").glob(f"early_stop-{run_id[:8]}")
     checkpoints = sorted(path.name for path in trial.glob("checkpoint_epoch_*"))
     assert checkpoints == ["checkpoint_epoch_000001", "checkpoint_epoch_000002"]

@@ -18,6 +18,7 @@ Schema = dict[str, Any]
 FORMATS = {
     "import-path": "an import path module:function",
     "node-range": "MIN:MAX (e.g. 1:2) for elastic training",
+    "model-name": "a registered model name (non-blank, without '/' or ':')",
 }
 """What the custom ``format`` of a string field accepts, in words."""
 _UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden", "invalid_key")

@@ -69,9 +69,10 @@ FLAGS: tuple[tuple[str, str], ...] = (
     ("--working-dir", "cluster.working_dir"),
     ("--script", "train.script"),
     ("--hang-timeout", "train.hang_timeout_s"),
+    ("--register-model", "tracking.register_model"),
 )
 """Flag and field, in the order `--help` lists them."""
-METAVARS = {"--nodes": "N|MIN:MAX", "--hang-timeout": "SECONDS"}
+METAVARS = {"--nodes": "N|MIN:MAX", "--hang-timeout": "SECONDS", "--register-model": "NAME"}
 _TYPES: dict[str, type] = {"boolean": bool, "integer": int, "number": float}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, Strict, model_validator
 from pydantic.dataclasses import dataclass
 
 from rayapp.spec.catalog import DATASETS, MODELS, DataKind, ModelKind
@@ -24,6 +24,12 @@ from rayapp.spec.fields import (
 )
 
 Width = Annotated[WholeNumber, Field(ge=1)]
+ModelName = Annotated[
+    str,
+    Strict(),
+    # MLflow's model registry refuses '/' and ':' in a name (they separate parts of models:/ URIs).
+    Field(pattern=r"^[^/:]*[^/:\s][^/:]*$", json_schema_extra={"format": "model-name"}),
+]
 Arguments = Annotated[
     dict[Text, Any],
     Field(description="Keyword arguments for `factory`.", examples=[{"hidden": 48}]),
@@ -196,6 +202,12 @@ class TrackingSpec:
         ge=0,
         description="Seconds between per-node CPU/memory/network/GPU samples (MLflow's system "
         "metrics, system/<node>/...); 0: off.",
+    )
+    register_model: ModelName | None = Field(
+        default=None,
+        description="Register the trained model (logged as the run's MLflow Model `model`) as a "
+        "new version of this registered model.",
+        examples=["digits-classifier"],
     )
 
 

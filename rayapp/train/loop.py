@@ -25,9 +25,12 @@ from rayapp.train.collectives import evaluate
 from rayapp.train.config import WorkerConfig
 from rayapp.train.context import TrainContext
 from rayapp.train.data import build_datasets
+from rayapp.train.model_export import exports_model, log_trained_model_or_warn
 from rayapp.train.models import build_loss, build_model, build_optimizer
 
 FLUSH_ON_ERROR_S = 10.0
+STATE_DICT_ARTIFACTS = "state_dict"
+"""The run's artifact folder for model_state_dict.pt, the full trained state dict."""
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -143,7 +146,8 @@ def standard_loop(ctx: TrainContext) -> None:
 
 
 def finish(ctx: TrainContext, loop_started: float) -> None:
-    """End-of-run records: final metrics, the full model and the resolved spec as artifacts."""
+    """End-of-run records: final metrics, the full state dict and the resolved spec as artifacts,
+    and the trained model as the run's MLflow Model (:mod:`rayapp.train.model_export`)."""
     spec, logger = ctx.spec, ctx.logger
     # A loop that stopped early ends at its own last epoch; a script reports no epochs to rayapp.
     last_epoch = ctx.last_epoch if ctx.last_epoch is not None else spec.train.epochs - 1
@@ -162,12 +166,18 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
             if model_state is not None:
                 model_path = os.path.join(directory, "model_state_dict.pt")
                 torch.save(model_state, model_path)
-                logger.log_artifact(model_path, "model")
+                # Not under "model": runs:/ID/model is the MLflow Model logged below.
+                logger.log_artifact(model_path, STATE_DICT_ARTIFACTS)
             spec_path = os.path.join(directory, "job_spec.json")
             with open(spec_path, "w") as handle:
                 json.dump(dataclasses.asdict(spec), handle, indent=2)
             logger.log_artifact(spec_path)
-    _tell_if_undelivered(ctx.config, logger.close(write_cost_step=last_epoch))
+    undelivered = logger.close(write_cost_step=last_epoch)
+    _tell_if_undelivered(ctx.config, undelivered)
+    # After the flush, so that the logged model takes the run's final metrics with it; not when
+    # MLflow stayed unreachable (its client would retry for minutes).
+    if ctx.is_chief and model_state is not None and undelivered is None and exports_model(spec):
+        log_trained_model_or_warn(ctx.config, model_state, step=last_epoch)
 
 
 def _tell_if_undelivered(worker_config: WorkerConfig, undelivered: Path | None) -> None:
