@@ -111,28 +111,51 @@ def compare(
     Beside them, what explains them: start-up times and each node's mean CPU use in the table,
     and with --plot, where a steady epoch's time goes (compute, comm, data, other) per run.
 
+    Runs of a `bench --grid` (its --parent) are also grouped by each axis of the grid: a table per
+    axis (each value's mean over the other axes) and the best point per metric, below the table
+    (table and markdown formats; the parent run holds them as grid.csv/grid.json); --plot then
+    saves the grouped plot, and the scaling plot beside it as FILE-scaling.png when nodes is an
+    axis.
+
     \b
     Examples:
       rayapp compare --experiment rayapp
       rayapp compare 3f2a... 9c1b... --format markdown
       rayapp compare --parent <sweep parent run id> --plot scaling.png
+      rayapp compare --parent <grid parent run id> --plot grid.png
     """
     from rayapp.reports.compare import load_summaries, render
+    from rayapp.reports.grid import axes_of, grid_plot, load_grid_runs, render_grid
     from rayapp.tracking.run import resolve_tracking_uri
 
     if run_ids and (experiment or parent_run_id):
         raise SpecError("give RUN_IDs or --experiment/--parent, not both")
+    uri = resolve_tracking_uri(tracking_uri)
     summaries = load_summaries(
-        resolve_tracking_uri(tracking_uri),
+        uri,
         experiment=experiment or "rayapp",
         run_ids=run_ids,
         parent_run_id=parent_run_id,
     )
+    grid = load_grid_runs(uri, [summary.run_id for summary in summaries])
+    # A sweep over nodes alone is the scaling comparison itself: nothing more to group.
+    grouped = bool(grid) and axes_of(grid) != ["nodes"]
     click.echo(render(summaries, fmt), nl=False)
+    if grouped and fmt in ("table", "markdown"):
+        click.echo("\n" + render_grid(grid, fmt), nl=False)
     if plot_path:
+        from pathlib import Path
+
         from rayapp.reports.plot import scaling_plot
 
-        click.echo(f"plot saved to {scaling_plot(summaries, plot_path)}", err=True)
+        if not grouped:
+            click.echo(f"plot saved to {scaling_plot(summaries, plot_path)}", err=True)
+            return
+        click.echo(f"grid plot saved to {grid_plot(grid, plot_path)}", err=True)
+        if "nodes" in axes_of(grid):
+            path = Path(plot_path)
+            scaling = path.with_name(f"{path.stem}-scaling{path.suffix or '.png'}")
+            click.echo(f"scaling plot saved to {scaling_plot(summaries, scaling)}", err=True)
 
 
 @click.command("import-metrics", context_settings=CONTEXT_SETTINGS)

@@ -4,7 +4,8 @@ driver."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +13,9 @@ from rayapp.cli.common import CONTEXT_SETTINGS, friendly_errors, quiet_library_l
 from rayapp.cli.flags import override_options, schedule_timeout_option
 from rayapp.spec import JobSpec, SpecError
 from rayapp.spec.overrides import overrides_from_flags, rows
+
+if TYPE_CHECKING:
+    from rayapp.driver.grid import Axis
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # What a sweep varies or shares; --nodes is the sweep's own list of sizes.
@@ -35,14 +39,18 @@ BENCH_FLAGS = (
 
 
 def spec_from_flags(
-    job_yaml: str | None, flags: dict[str, Any], script_args: tuple[str, ...] = ()
+    job_yaml: str | None,
+    flags: dict[str, Any],
+    script_args: tuple[str, ...] = (),
+    fields: Mapping[str, Any] | None = None,
 ) -> JobSpec:
-    """defaults < job YAML < flags; with no YAML, the defaults are the article's loop. The machine
-    an embedded cluster would run on is checked here, before anything starts."""
+    """defaults < job YAML < flags < `fields` (``section.name`` overrides: a grid point's); with
+    no YAML, the defaults are the article's loop. The machine an embedded cluster would run on
+    is checked here, before anything starts."""
     from rayapp.launch.preflight import check_local_machine
     from rayapp.spec.loader import build_spec, load_spec
 
-    overrides = overrides_from_flags(flags)
+    overrides = {**overrides_from_flags(flags), **(fields or {})}
     if script_args:
         overrides["train.script_args"] = tuple(script_args)
     default_name = "seed_linear"
@@ -162,7 +170,19 @@ def submit(
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("job_yaml", type=click.Path(dir_okay=False))
 @click.option(
-    "--nodes", "node_list", required=True, help="Cluster sizes to run, comma-separated, e.g. 1,2,4."
+    "--grid",
+    "grid_axes",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="An axis of the grid: a flag's name (nodes, strategy, precision, ...) or a spec field "
+    "(section.name, as `rayapp schema` lists them) and its values. Repeat for more axes; every "
+    "combination runs.",
+)
+@click.option(
+    "--nodes",
+    "node_list",
+    metavar="N1,N2,...",
+    help="Cluster sizes to run, comma-separated, e.g. 1,2,4: the same as --grid nodes=1,2,4.",
 )
 @override_options(rows(*BENCH_FLAGS))
 @click.option(
@@ -174,30 +194,43 @@ def submit(
 @schedule_timeout_option
 @friendly_errors
 def bench(
-    job_yaml: str, node_list: str, plot_path: str | None, schedule_timeout: float, **flags: Any
+    job_yaml: str,
+    grid_axes: tuple[str, ...],
+    node_list: str | None,
+    plot_path: str | None,
+    schedule_timeout: float,
+    **flags: Any,
 ) -> None:
-    """Run JOB_YAML once per cluster size and compare: nested MLflow runs, a table and a plot.
+    """Run JOB_YAML once per point of a grid and compare: nested MLflow runs, tables and plots.
 
-    All runs go into one experiment under a parent run; the parent gets the comparison
-    (scaling.md/.csv/.json) and the plots (scaling.png: throughput, efficiency and where the
-    time goes; time_breakdown.png: the last on its own) as artifacts.
+    Each --grid KEY=V1,V2 is an axis; every combination of their values runs, one after another,
+    each a child run (tagged with its point) of one parent run. The parent gets the comparison
+    grouped by each axis (grid.md/.csv/.json, grid.png) and the best point per metric as tags
+    (rayapp.best.<metric>); with nodes among the axes also the scaling comparison
+    (scaling.md/.csv/.json, scaling.png: throughput, efficiency and where the time goes;
+    time_breakdown.png: the last on its own). Every point is validated before the first starts.
 
     \b
     Examples:
-      rayapp bench jobs/mlp_synthetic.yaml --nodes 1,2            # strong scaling
-      rayapp bench jobs/seed_linear.yaml --nodes 1,2 --epochs 3   # the article's loop (weak)
+      rayapp bench jobs/mlp_synthetic.yaml --grid nodes=1,2            # strong scaling
+      rayapp bench jobs/seed_linear.yaml --nodes 1,2 --epochs 3        # the same, older form
+      rayapp bench jobs/mlp_synthetic.yaml --grid nodes=1,2,4 \\
+        --grid train.strategy=ddp,fsdp --grid train.precision=fp32,bf16
+      rayapp bench jobs/digits_mlp.yaml --grid lr=0.001,0.003 --grid model.hidden=[64],[128]
     """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rayapp.cli.progress import EpochPrinter
+    from rayapp.driver.grid import expand
     from rayapp.driver.submit import SubmitOptions
-    from rayapp.driver.sweep import parse_sizes, run_sweep
+    from rayapp.driver.sweep import run_grid
     from rayapp.reports.compare import render
+    from rayapp.reports.grid import render_grid
 
-    sizes = parse_sizes(node_list)
-    # Validate every size up front, so a bad combination fails before any run starts.
-    specs = {n: spec_from_flags(job_yaml, {**flags, "nodes": n}) for n in sizes}
+    axes = grid_from_options(grid_axes, node_list)
+    # Every point's spec built (and so validated) up front: a bad value fails before any run.
+    points = expand(axes, lambda fields: spec_from_flags(job_yaml, flags, fields=fields))
     quiet_library_logs()
     console = Console(highlight=False)
     with Progress(
@@ -208,25 +241,54 @@ def bench(
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("", total=len(sizes))
-        printer = EpochPrinter(specs[sizes[0]], console=progress.console)
-        result = run_sweep(
-            specs[sizes[0]],
-            sizes,
+        task = progress.add_task("", total=len(points))
+        printer = EpochPrinter(points[0].spec, console=progress.console)
+        result = run_grid(
+            points,
             job_file=job_yaml,
             options=SubmitOptions(
                 schedule_timeout_s=schedule_timeout,
                 on_progress=printer.on_epoch,
                 on_status=printer.on_status,
             ),
-            on_size_start=lambda n: progress.update(task, description=f"{n} node(s)"),
-            on_size_done=lambda n, r: progress.advance(task),
+            on_point_start=lambda point: progress.update(task, description=point.label),
+            on_point_done=lambda point, r: progress.advance(task),
             plot_path=plot_path,
         )
-    click.echo(
-        render(result.summaries, "table"), nl=False
-    )  # pre-rendered at full width; no re-wrapping
+    keys = [axis.key for axis in axes]
+    if "nodes" in keys:
+        click.echo(
+            render(result.summaries, "table"), nl=False
+        )  # pre-rendered at full width; no re-wrapping
+    if keys != ["nodes"]:
+        click.echo(render_grid(result.grid, "table"), nl=False)
+    logged = (
+        "scaling.png, beside time_breakdown.png and grid.png" if "nodes" in keys else "grid.png"
+    )
     console.print(
         f"parent run [bold]{result.parent_run_id}[/bold]; plot saved to {result.plot_path} "
-        "and logged as scaling.png, beside time_breakdown.png"
+        f"and logged as {logged}"
     )
+
+
+def grid_from_options(grid_axes: tuple[str, ...], node_list: str | None) -> list[Axis]:
+    """bench's axes: each --grid, and --nodes N1,N2 (the scaling sweep's form) as the nodes axis
+    in front of them."""
+    from rayapp.driver.grid import Axis, parse_axes
+    from rayapp.driver.sweep import parse_sizes
+
+    axes = parse_axes(grid_axes)
+    if node_list is not None:
+        if any(axis.field == "cluster.nodes" for axis in axes):
+            raise SpecError(
+                f"--nodes {node_list}: the node counts are also a --grid axis; give them once, "
+                "as --grid nodes=1,2 or as --nodes 1,2"
+            )
+        sizes = parse_sizes(node_list)
+        axes.insert(0, Axis("nodes", "cluster.nodes", tuple(map(str, sizes)), tuple(sizes)))
+    if not axes:
+        raise SpecError(
+            "bench: nothing to vary; give --grid KEY=V1,V2 (e.g. --grid nodes=1,2,4) "
+            "or --nodes 1,2,4"
+        )
+    return axes

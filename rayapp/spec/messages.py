@@ -67,6 +67,11 @@ def field_schema(root: Schema, path: str) -> Schema:
     return _walk(root, "", tuple(path.split(".")))[1]
 
 
+def known_field(root: Schema, path: str) -> bool:
+    """Whether a dotted `path` (``train.pipeline.stages``) names a field of `root`."""
+    return _walk(root, "", tuple(path.split(".")))[0] == path
+
+
 def _walk(root: Schema, path: str, loc: Any) -> tuple[str, Schema]:
     """The dotted key of `loc` in `root` (the schema of the section at `path`), and the schema of
     the field there. Parts of `loc` that name no field (pydantic's names for the members of a
