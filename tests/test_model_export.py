@@ -5,9 +5,11 @@ logged is one line at the terminal, not a failure. No Ray: the function runs whe
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,10 +86,19 @@ def test_digits_model_loads_through_pyfunc_with_signature_and_example(store):
     with torch.no_grad():  # the logged weights are the ones given
         np.testing.assert_allclose(predicted, model(rows).numpy(), rtol=1e-5, atol=1e-6)
 
-    example = mlflow.models.Model.load(f"runs:/{run_id}/model").load_input_example(
-        mlflow.artifacts.download_artifacts(f"runs:/{run_id}/model")
-    )
+    local = mlflow.artifacts.download_artifacts(f"runs:/{run_id}/model")
+    example = mlflow.models.Model.load(local).load_input_example(local)
     np.testing.assert_array_equal(example, build_datasets(spec).test[:EXAMPLE_ROWS][0].numpy())
+    # What `mlflow models serve` does with a request (its scoring server's own handler): the
+    # saved serving example scores.
+    from mlflow.pyfunc.scoring_server import invocations
+
+    serving_input = (Path(local) / "serving_input_example.json").read_text()
+    reply = invocations(
+        serving_input, "application/json", loaded, loaded.metadata.get_input_schema()
+    )
+    assert reply.status == 200, reply.response
+    assert np.asarray(json.loads(reply.response)["predictions"]).shape == (EXAMPLE_ROWS, 10)
     registered = mlflow.pyfunc.load_model("models:/digits-mlp/1")
     assert registered.predict(rows.numpy()).shape == (7, 10)
 

@@ -12,10 +12,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import (
     REPO,
     kill_one_training_worker,
+    load_logged_model,
     mlflow_client,
     only_run,
     run_rayapp,
@@ -58,6 +60,13 @@ def test_factories_train_a_cnn_on_digits(tmp_path, warm_cluster):
     assert steps(client, run.info.run_id, "test_accuracy") == list(range(epochs))
     assert run.data.metrics["test_accuracy"] >= 0.95
     assert run.data.params["model"].endswith(":build") or ":" in run.data.params["model"]
+    # The model as an MLflow Model loads here, where the example's modules cannot be imported:
+    # they were pickled with it.
+    assert "not logged as an MLflow Model" not in result.stdout
+    model = load_logged_model(workdir, f"runs:/{run.info.run_id}/model")
+    (image,) = model.metadata.get_input_schema().inputs
+    predicted = model.predict(np.zeros((3, *image.shape[1:]), dtype=np.float32))
+    assert predicted.shape == (3, 10)
 
 
 def test_own_loop_resumes_after_a_killed_worker_with_every_epoch_once(tmp_path, warm_cluster):
