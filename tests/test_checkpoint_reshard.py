@@ -101,3 +101,49 @@ def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_with_fsdp_or_ddp(tmp_pat
         assert out[f"{strategy}_steps"] and all(
             step == 1.0 for step in out[f"{strategy}_steps"]
         )  # Adam's state
+
+
+def save_async_then_train_on(rank: int, directory: str, out: dict) -> None:
+    """checkpoint.async: the save returns after staging, training steps on while the write runs
+    in the background, and the checkpoint holds the state of the moment it was taken."""
+    from rayapp.train.checkpoint import BackgroundWrite
+
+    async_spec = build_spec(
+        {
+            "name": "reshard",
+            "train": {"strategy": "fsdp"},
+            "checkpoint": {"format": "dcp", "async": True},
+            "cluster": {"nodes": 2},
+        }
+    )
+    model = apply_strategy(async_spec, build(), torch.device("cpu")).model
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    model(torch.randn(4, 16)).square().mean().backward()
+    optimizer.step()
+    background = BackgroundWrite()
+    written = save(async_spec, directory, model, optimizer, {}, rank=rank, background=background)
+    at_save = full_state(model)
+    for _ in range(3):  # the next steps change every tensor the write is still reading
+        model(torch.randn(4, 16)).square().mean().backward()
+        optimizer.step()
+    background.wait()
+    assert written is not None and written.done()
+    if rank == 0:
+        out["saved"], out["after"] = at_save, full_state(model)
+
+
+def test_an_async_save_holds_the_state_it_was_taken_at_while_training_goes_on(tmp_path):
+    directory = str(tmp_path / "checkpoint")
+    os.makedirs(directory)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(
+            group, args=(2, free_port(), save_async_then_train_on, directory, out), nprocs=2
+        )
+        mp.spawn(group, args=(1, free_port(), load_on_one, directory, out), nprocs=1, join=True)
+        out = dict(out)
+    for key, saved in out["saved"].items():
+        torch.testing.assert_close(out["fsdp"][key], saved, msg=key)
+        assert not torch.equal(out["after"][key], saved), key  # training did move on
+    assert out["fsdp_steps"] and all(step == 1.0 for step in out["fsdp_steps"])

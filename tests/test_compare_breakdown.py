@@ -17,13 +17,24 @@ from rayapp.cli import main
 from rayapp.reports.compare import load_summaries, render
 from rayapp.reports.plot import (
     BREAKDOWN_TITLE,
+    GOODPUT_TITLE,
     SCALING_TITLES,
     scaling_figure,
     time_breakdown_figure,
 )
+from rayapp.tracking.goodput import PARTS, breakdown
 
 PNG = b"\x89PNG\r\n\x1a\n"
 STARTUP = {"startup_cluster_s": 4.3, "startup_workers_s": 2.5, "time_to_first_step_s": 9.7}
+# What the workers measured of a 60 s run (the driver adds the wall time and other).
+GOODPUT_PARTS = {
+    "goodput_startup_s": 9.7,
+    "goodput_compute_s": 30.0,
+    "goodput_comm_s": 6.0,
+    "goodput_data_s": 3.0,
+    "goodput_checkpoint_s": 2.0,
+    "goodput_restart_lost_s": 5.0,
+}
 # Three nodes, one numbered past 9, so address order (…2, …3, …10) differs from text order
 # (…10, …2, …3).
 CPU_SAMPLES = {
@@ -78,7 +89,7 @@ def store(tmp_path):
     ddp2 = log_run(
         uri, job="mlp", world=2, scaling="strong", epochs=timed_epochs(1.0, 0.7, 0.2, 0.1)
     )
-    log_extras(uri, ddp2, STARTUP, CPU_SAMPLES)
+    log_extras(uri, ddp2, STARTUP | breakdown(60.0, GOODPUT_PARTS), CPU_SAMPLES)
     # FSDP-like: comm not measured (NaN), so it stays inside compute.
     fsdp = log_run(
         uri, job="fsdp", world=2, scaling="strong", epochs=timed_epochs(1.0, 0.7, math.nan, 0.1)
@@ -204,7 +215,11 @@ def test_scaling_figure_has_the_breakdown_panel(store):
     uri, ids = store
     summaries = load_summaries(uri, experiment="cmp")
     figure = scaling_figure(summaries)
-    assert [axis.get_title() for axis in figure.axes] == [*SCALING_TITLES, BREAKDOWN_TITLE]
+    assert [axis.get_title() for axis in figure.axes] == [
+        *SCALING_TITLES,
+        BREAKDOWN_TITLE,
+        GOODPUT_TITLE,
+    ]
     breakdown = figure.axes[2]
     # One stacked bar per run, in the panel's order (by group, then world size): each adds up to its
     # epoch.
@@ -227,7 +242,32 @@ def test_scaling_figure_has_the_breakdown_panel(store):
     assert [axis.get_title() for axis in time_breakdown_figure(summaries).axes] == [BREAKDOWN_TITLE]
 
 
-def test_compare_plot_file_is_png_with_three_panels(store, tmp_path):
+def test_goodput_is_a_column_and_a_stacked_bar_of_the_wall_time(store):
+    uri, ids = store
+    runs = summaries_by_run(uri)
+    ddp2 = runs[ids["ddp2"]]
+    assert ddp2.run_wall_s == 60.0 and ddp2.goodput == pytest.approx(0.5)
+    assert list(ddp2.goodput_parts) == list(PARTS)  # stacked in that order
+    assert ddp2.goodput_parts["goodput_other_s"] == pytest.approx(60.0 - 55.7)
+    assert math.isnan(runs[ids["old"]].goodput) and runs[ids["old"]].goodput_parts == {}
+    lines = render([ddp2, runs[ids["old"]]], "markdown").splitlines()
+    column = [cell.strip() for cell in lines[0].split("|")].index("goodput")
+    assert [[cell.strip() for cell in line.split("|")][column] for line in lines[2:]] == [
+        "50%",
+        "-",
+    ]
+
+    panel = scaling_figure(list(runs.values())).axes[3]
+    bars = [c for c in panel.containers if len(c.patches) == len(runs)]
+    assert len(bars) == len(PARTS)
+    ordered = [label.get_text() for label in panel.get_xticklabels()]
+    at = next(i for i, text in enumerate(ordered) if ids["ddp2"][:8] in text)
+    assert sum(bar.patches[at].get_height() for bar in bars) == pytest.approx(60.0)
+    old_at = next(i for i, text in enumerate(ordered) if ids["old"][:8] in text)
+    assert sum(bar.patches[old_at].get_height() for bar in bars) == 0.0
+
+
+def test_compare_plot_file_is_png_with_four_panels(store, tmp_path):
     uri, ids = store
     path = tmp_path / "out" / "cmp.png"
     result = CliRunner().invoke(
@@ -239,5 +279,5 @@ def test_compare_plot_file_is_png_with_three_panels(store, tmp_path):
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (
         1320,
-        1008,
-    )  # 11 x 8.4 in at 120 dpi: the two scaling panels over the breakdown
+        1488,
+    )  # 11 x 12.4 in at 120 dpi: the two scaling panels over the breakdown and the goodput bars

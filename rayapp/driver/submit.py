@@ -161,6 +161,7 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                     )
                     result = _fit_interruptibly(trainer)
                 outcome = "FINISHED"
+                _log_goodput(tracking_uri, run_id, submitted_at, status)
             except KeyboardInterrupt:
                 outcome = "KILLED"
                 raise
@@ -269,6 +270,25 @@ def _fit_interruptibly(trainer):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def _log_goodput(
+    tracking_uri: str, run_id: str, submitted_at: float, status: Callable[[str], None]
+) -> None:
+    """The run's wall time, from submission until training ended, and where it went: the parts
+    rank 0 logged at the end (rayapp.train.goodput), the rest as goodput_other_s, and goodput."""
+    from mlflow.tracking import MlflowClient
+
+    from rayapp.tracking.goodput import MEASURED_PARTS, breakdown
+
+    run_wall_s = time.time() - submitted_at
+    try:
+        logged = MlflowClient(tracking_uri).get_run(run_id).data.metrics
+        if not any(name in logged for name in MEASURED_PARTS):
+            return  # a loop that trained no epochs through rayapp (a script) measured none
+        log_run_metrics(tracking_uri, run_id, breakdown(run_wall_s, logged))
+    except Exception as exc:  # MLflow unreachable: the run's own metrics are already saved
+        status(f"could not log the run's goodput to MLflow ({type(exc).__name__})")
 
 
 def _backfill_from_checkpoint(

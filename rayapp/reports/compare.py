@@ -19,7 +19,13 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rayapp.errors import RayappError
-from rayapp.reports.run_figures import cpu_by_node, efficiency, stragglers, time_breakdown
+from rayapp.reports.run_figures import (
+    cpu_by_node,
+    efficiency,
+    goodput,
+    stragglers,
+    time_breakdown,
+)
 from rayapp.reports.tables import epoch_values, steady_median
 from rayapp.spec.cluster import size_label
 
@@ -89,6 +95,13 @@ class RunSummary:
     slowest_rank: int | None = None
     slowest_node: str = ""
     """The node (IP) the slowest rank ran on."""
+    run_wall_s: float = math.nan
+    """Submission until training ended, as the driver measured it."""
+    goodput: float = math.nan
+    """goodput_compute_s / run_wall_s: the share of the wall time that trained the model."""
+    goodput_parts: dict[str, float] = field(default_factory=dict)
+    """Where the wall time went, goodput_startup_s ... goodput_other_s (rayapp.train.goodput),
+    in the order they stack; empty for a run that logged none."""
     min_nodes: int | None = None
     """An elastic run's fewest nodes (``nodes`` is then its most); None for a fixed size."""
     min_world_size: int | None = None
@@ -184,6 +197,7 @@ def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
         cpu_percent_by_node=cpu_by_node(client, run),
         **efficiency(client, run),
         **stragglers(client, run),
+        **goodput(run),
     )
 
 
@@ -280,6 +294,7 @@ COLUMNS = [
     ("param_mb_per_rank", "param MB/rank", "{:,.2f}"),
     ("tflops_per_s", "TFLOP/s", "{:.3g}"),
     ("mfu", "MFU", "{:.1%}"),
+    ("goodput", "goodput", "{:.0%}"),
     ("straggler", "slowest rank", "{}"),
     ("startup_cluster_s", "cluster up s", "{:.1f}"),
     ("startup_workers_s", "workers up s", "{:.1f}"),
@@ -288,6 +303,7 @@ COLUMNS = [
     ("run_id", "run", "{:.12}"),
 ]
 CSV_ONLY = [
+    "run_wall_s",
     "compute_s",
     "comm_s",
     "data_s",
@@ -371,6 +387,8 @@ CAPTION = (
     "first step s: submission to the first step done. "
     "cpu % per node: the node's machine over the run, mean (100 = all its cores busy). "
     "MFU: TFLOP/s over the ranks' peak (GPU datasheet, else a measured matmul; see peak_source). "
+    "goodput: the share of the run's wall time (submission to end) spent computing; the plot "
+    "shows the rest (start-up, comm, data, checkpoints, restarts, other). "
     "slowest rank: its median step time (batch request to gradients ready) over the median "
     "rank's, and its node."
 )

@@ -1,6 +1,7 @@
 """The scaling plot: measured vs ideal throughput, and efficiency, against world size; below them,
 where the time of a steady epoch goes (compute, comm, data, other) for each run, so a run that
-does not scale shows why beside how much.
+does not scale shows why beside how much; and at the bottom, where each run's whole wall time
+went (goodput: start-up, compute, comm, data, checkpoints, restarts, other).
 
 Figures are built on matplotlib's Agg canvas directly, not through pyplot: no display is needed,
 and no global figure state is left behind in a long-lived process (the bench driver).
@@ -23,6 +24,16 @@ PART_STYLES = {  # part of RunSummary.time_parts -> legend label, colour
     "comm": ("comm (all-reduce)", "#DD8452"),
     "data": ("data (waiting for batches)", "#55A868"),
     "other": ("other (untimed: sync, logging, ...)", "#B0B0B0"),
+}
+GOODPUT_TITLE = "Where the run's wall time goes (goodput = compute share)"
+GOODPUT_STYLES = {  # goodput part (rayapp.tracking.goodput.PARTS) -> legend label, colour
+    "goodput_startup_s": ("start-up (cluster, workers, first step)", "#8172B3"),
+    "goodput_compute_s": ("compute", "#4C72B0"),
+    "goodput_comm_s": ("comm (all-reduce)", "#DD8452"),
+    "goodput_data_s": ("data", "#55A868"),
+    "goodput_checkpoint_s": ("checkpoint (blocking part)", "#937860"),
+    "goodput_restart_lost_s": ("restart (work lost + restart)", "#C44E52"),
+    "goodput_other_s": ("other (evaluation, logging, teardown, ...)", "#B0B0B0"),
 }
 
 
@@ -163,12 +174,49 @@ def draw_time_breakdown(axis: Axes, summaries: list[RunSummary]) -> None:
     axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
 
 
+def draw_goodput(axis: Axes, summaries: list[RunSummary]) -> None:
+    """One stacked bar per run, in the order of the epoch breakdown: its wall time's parts, and
+    its goodput above it. A run without them (failed, or from before they were logged) gets an
+    empty slot saying so."""
+    ordered = [summary for runs in _groups(summaries).values() for summary in runs]
+    positions = list(range(len(ordered)))
+    bottoms = [0.0] * len(ordered)
+    for part, (label, colour) in GOODPUT_STYLES.items():
+        # other can be slightly negative (parts measured on different ranks): drawn as nothing
+        heights = [max(summary.goodput_parts.get(part, 0.0), 0.0) for summary in ordered]
+        axis.bar(positions, heights, width=0.6, bottom=bottoms, color=colour, label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for position, summary, height in zip(positions, ordered, bottoms, strict=True):
+        text = (
+            f"{summary.run_wall_s:.3g} s, goodput {summary.goodput:.0%}"
+            if summary.goodput_parts and math.isfinite(summary.goodput)
+            else "not measured"
+        )
+        axis.annotate(
+            text,
+            (position, height),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    labels = [f"{s.job}\nworld {s.world_label}, {s.run_id[:8]}" for s in ordered]
+    axis.set_xticks(positions, labels, fontsize=8)
+    axis.set_ylim(0, max(bottoms + [0.0]) * 1.18 or 1.0)
+    axis.set(title=GOODPUT_TITLE, ylabel="seconds (submission to end)")
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
+
+
 def scaling_figure(summaries: list[RunSummary]) -> Figure:
-    """Throughput and efficiency side by side; the time breakdown across the width below them."""
-    figure = _new_figure(11, 8.4)
-    grid = figure.add_gridspec(2, 2, height_ratios=(1, 1.1))
+    """Throughput and efficiency side by side; the time breakdown across the width below them,
+    and below that the goodput bars."""
+    figure = _new_figure(11, 12.4)
+    grid = figure.add_gridspec(3, 2, height_ratios=(1, 1.1, 1.1))
     draw_scaling(figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1]), summaries)
     draw_time_breakdown(figure.add_subplot(grid[1, :]), summaries)
+    draw_goodput(figure.add_subplot(grid[2, :]), summaries)
     return figure
 
 

@@ -1,6 +1,6 @@
 """What a run's MLflow records say beyond its epoch times: where a steady epoch's time goes, how
-busy each node was, the FLOP rate and MFU, and which rank was slowest. Steady means the first
-epoch excluded, as everywhere in the comparison."""
+busy each node was, the FLOP rate and MFU, which rank was slowest, and where the whole run's wall
+time went (goodput). Steady means the first epoch excluded, as everywhere in the comparison."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from rayapp.tracking.goodput import GOODPUT, PARTS, RUN_WALL
 from rayapp.tracking.run import TAG_NODE_IPS, TAG_PEAK_TFLOPS_SOURCE
 
 if TYPE_CHECKING:
@@ -101,6 +102,18 @@ def efficiency(client: MlflowClient, run: Run) -> dict[str, Any]:
             _steady_history(client, run_id, "peak_tflops", steady).values()
         ),
         "peak_source": run.data.tags.get(TAG_PEAK_TFLOPS_SOURCE, ""),
+    }
+
+
+def goodput(run: Run) -> dict[str, Any]:
+    """run_wall_s, goodput and the wall time's parts (goodput_*_s, in the order they stack), as
+    the driver logged them at the run's end; NaN and no parts for a run without them (one that
+    failed, or from before they were logged)."""
+    metrics = run.data.metrics
+    return {
+        "run_wall_s": metrics.get(RUN_WALL, math.nan),
+        "goodput": metrics.get(GOODPUT, math.nan),
+        "goodput_parts": {name: metrics[name] for name in PARTS if name in metrics},
     }
 
 

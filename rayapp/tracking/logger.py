@@ -3,6 +3,7 @@ every other rank, so that loops call the same methods everywhere and only one ra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -32,6 +33,10 @@ class NullLogger:
 
     def previous_attempts(self) -> int:
         return 0
+
+    def run_metric(self, key: str) -> float:
+        """The run's latest value of a metric logged once per run; NaN when unknown."""
+        return math.nan
 
 
 class RunLogger(NullLogger):
@@ -107,6 +112,12 @@ class RunLogger(NullLogger):
             return int(self._outbox.client.get_run(self.run_id).data.tags.get(TAG_ATTEMPTS, 0))
         except Exception:  # server unreachable: the count is cosmetic, training goes on
             return 0
+
+    def run_metric(self, key: str) -> float:
+        try:
+            return float(self._outbox.client.get_run(self.run_id).data.metrics.get(key, math.nan))
+        except Exception:  # server unreachable: the caller goes on without the figure
+            return math.nan
 
     def logged_epochs(self) -> set[int]:
         """Epochs already in the run: a resumed job skips re-logging them.

@@ -10,16 +10,26 @@ Two formats (checkpoint.format):
   one file, but every rank holds the whole model and optimizer state for a moment.
 
 Beside the state each checkpoint holds ``history.json`` (the run id, the epoch and every epoch's
-metrics so far), which resume and the driver's backfill read without torch. Every rank reports
-once per epoch (Ray Train requires equal counts), with or without a checkpoint.
+metrics so far), which resume and the driver's backfill read without torch, and ``goodput.json``
+(the run's time ledger, :mod:`rayapp.train.goodput`). Every rank reports once per epoch (Ray Train
+requires equal counts), with or without a checkpoint.
+
+With ``checkpoint.async`` (DCP only) training pauses only while DCP's ``async_save`` copies the
+state to CPU memory (the staging copy); the files are written in a background thread, over a
+process group of their own (Gloo), so the write's collectives never interleave with training's.
+Ray Train uploads the directory, and registers the checkpoint, only once that write has ended:
+a crash while it runs leaves the previous checkpoint the one to resume from. The next save, and
+the end of the run, wait for the write before them (a failed write raises there).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -30,6 +40,7 @@ from rayapp.tracking.backfill import read_history, write_history
 
 CHECKPOINT_FILE = "state.pt"
 DCP_METADATA = ".metadata"
+GOODPUT_FILE = "goodput.json"
 STOPPED_MARKER = "stopped_early"
 """An empty file in the checkpoint of the epoch where the loop stopped early."""
 
@@ -53,6 +64,35 @@ def full_model_state(model: nn.Module) -> dict:
     return _state_dicts(model, None, full=True)[0]
 
 
+class BackgroundWrite:
+    """The one DCP write of an async save that may still be running, and the process group such
+    writes use. Every rank holds one for the run."""
+
+    def __init__(self) -> None:
+        self._future: Future | None = None
+        self._group: Any = None
+
+    def wait(self) -> None:
+        """Until the running write (if any) has ended; raises what it raised."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def start(self, state: dict, directory: str) -> Future:
+        """Stage `state` (the pause training takes) and write it into `directory` in the
+        background, after the previous write has ended (a collective)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()  # two writes at once would interleave their collectives on one group
+        if self._group is None:  # every rank gets here at the same save: new_group is collective
+            self._group = dist.new_group(backend="gloo")
+        future = dcp.async_save(state, checkpoint_id=directory, process_group=self._group)
+        assert isinstance(future, Future)  # the default stager stages before returning
+        self._future = future
+        return future
+
+
 def save(
     spec: JobSpec,
     directory: str,
@@ -61,8 +101,11 @@ def save(
     extra: Mapping[str, Any],
     *,
     rank: int,
-) -> None:
-    """Write this rank's part of the checkpoint into `directory` (a collective)."""
+    background: BackgroundWrite | None = None,
+) -> Future | None:
+    """Write this rank's part of the checkpoint into `directory` (a collective). With
+    `background` (DCP only), the state is staged now and written in the background: the
+    returned future ends with the write."""
     extra_state = {name: obj.state_dict() for name, obj in extra.items()}
     if spec.checkpoint.format == "full":
         model_state, optim_state = _state_dicts(model, optimizer, full=True)
@@ -71,13 +114,19 @@ def save(
                 {"model": model_state, "optimizer": optim_state, "extra": extra_state},
                 os.path.join(directory, CHECKPOINT_FILE),
             )
-        return
+        return None
     import torch.distributed.checkpoint as dcp
 
     model_state, optim_state = _state_dicts(model, optimizer, full=False)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+    state = {"model": model_state, "optimizer": optim_state}
+    written = None
+    if background is not None:
+        written = background.start(state, directory)
+    else:
+        dcp.save(state, checkpoint_id=directory)
     if rank == 0 and extra_state:  # schedulers and scalers: small, the same on every rank
         torch.save(extra_state, os.path.join(directory, "extra.pt"))
+    return written
 
 
 def load(directory: str, model: nn.Module, optimizer, extra: Mapping[str, Any]) -> None:
@@ -128,6 +177,10 @@ def restore(model: nn.Module, optimizer, extra: Mapping[str, Any]) -> dict | Non
         load(directory, model, optimizer, extra)
         saved = read_history(directory)
         saved["stopped"] = os.path.exists(os.path.join(directory, STOPPED_MARKER))
+        goodput_path = os.path.join(directory, GOODPUT_FILE)
+        if os.path.exists(goodput_path):  # checkpoints from before the ledger have none
+            with open(goodput_path, encoding="utf-8") as handle:
+                saved["goodput"] = json.load(handle)
         return saved
 
 
@@ -144,10 +197,13 @@ def report_epoch(
     run_id: str,
     rank: int,
     stopped: bool = False,
+    goodput: Mapping[str, Any] | None = None,
+    background: BackgroundWrite | None = None,
 ) -> None:
     """Report the epoch to Ray Train from every rank, with this rank's part of a checkpoint when
     `save_now`; `stopped` marks the checkpoint as the last of a loop that stopped early, so a
-    restart does not train past it. With checkpoint.async the upload runs in the background."""
+    restart does not train past it; `goodput` is the run's time ledger, saved beside the history.
+    With checkpoint.async (and `background`) the write and the upload run in the background."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -157,22 +213,42 @@ def report_epoch(
         return
     directory = tempfile.mkdtemp(prefix="rayapp-ckpt-")
     try:
-        save(spec, directory, model, optimizer, extra, rank=rank)
+        background = background if spec.checkpoint.async_save else None
+        written = save(spec, directory, model, optimizer, extra, rank=rank, background=background)
         if rank == 0:
             # Beside the weights, not in them: the driver reads it without torch or the state's
             # size.
             write_history(directory, run_id=run_id, epoch=epoch, history=history)
+            if goodput is not None:
+                with open(os.path.join(directory, GOODPUT_FILE), "w", encoding="utf-8") as handle:
+                    json.dump(dict(goodput), handle)
             if stopped:
                 open(os.path.join(directory, STOPPED_MARKER), "w").close()
-        mode = (
-            CheckpointUploadMode.ASYNC if spec.checkpoint.async_save else CheckpointUploadMode.SYNC
-        )
+        if written is None:
+            mode, upload = CheckpointUploadMode.SYNC, None
+        else:
+            mode, upload = CheckpointUploadMode.ASYNC, _upload_once_written(written)
         ray.train.report(
             report,
             checkpoint=Checkpoint.from_directory(directory),
             checkpoint_dir_name=f"checkpoint_epoch_{epoch:06d}",
             checkpoint_upload_mode=mode,
+            checkpoint_upload_fn=upload,
         )
     finally:
         if not spec.checkpoint.async_save:  # an async upload deletes the directory once it is done
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _upload_once_written(written: Future):
+    """Ray Train's upload of an async save, in its upload thread: first the end of DCP's write
+    (a failed write raises there, and Ray Train fails the run rather than register it), then the
+    copy to storage as Ray Train makes it for a synchronous save."""
+    import ray.train
+
+    def upload(checkpoint, checkpoint_dir_name: str):
+        written.result()
+        storage = ray.train.get_context().get_storage()  # Ray's developer API
+        return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
+
+    return upload

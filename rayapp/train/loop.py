@@ -77,6 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
     try:
         job_loop(worker_config)(ctx)
         ctx.end_loop()  # the epoch a `break` left: logged and checkpointed now
+        ctx.finish_checkpoints()  # the last async save's write: whole before the run ends
         ctx.close()
         finish(ctx, loop_started)
     except Exception:
@@ -152,6 +153,8 @@ def finish(ctx: TrainContext, loop_started: float) -> None:
     # A loop that stopped early ends at its own last epoch; a script reports no epochs to rayapp.
     last_epoch = ctx.last_epoch if ctx.last_epoch is not None else spec.train.epochs - 1
     finals = {"total_time_s": time.perf_counter() - loop_started}
+    if ctx.last_epoch is not None:  # the goodput parts; the driver adds the wall time and the rest
+        finals.update(ctx.goodput_parts())
     if ctx.prepared:  # a script trains in its own process: rayapp holds no model to measure
         finals["param_bytes_per_rank"] = ctx.parameter_bytes()
     logger.log_metrics(finals, step=last_epoch)

@@ -19,6 +19,7 @@ from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, T
 from rayapp.train import checkpoint, collectives, heartbeat, socket_ifname, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.efficiency import EpochEfficiency, step_to_count
+from rayapp.train.goodput import FirstStep, GoodputLedger
 from rayapp.train.stepping import Stepper
 from rayapp.train.strategies import Placement
 from rayapp.train.timing import DdpCommClock, DeviceTimer, HostTimer, synchronize
@@ -68,7 +69,6 @@ class WorkerState:
             samples_seen=lambda: self._samples_before_epoch + self._samples,
         )
         self._system_monitor = None
-        self._first_step_logged = False
         self._efficiency = EpochEfficiency(
             device=device,
             precision=self.spec.train.precision,
@@ -76,6 +76,13 @@ class WorkerState:
             counted_step=step_to_count(self.spec.train),
         )
         self._samples_before_epoch = self._samples = 0
+        # -- goodput: the run's time ledger (restored from the checkpoint on a restart), and the
+        # attempt's first step, which start-up or the restart owns rather than its epoch
+        self._ledger = GoodputLedger()
+        self._resumed = False
+        self._attempt_stepped = False
+        self._first_step: FirstStep | None = None
+        self._background_write = checkpoint.BackgroundWrite()
         self._reset_epoch_clocks()
         self._heartbeat = heartbeat.start(config.watchdog, rank, config.heartbeat_s)
 
@@ -94,7 +101,9 @@ class WorkerState:
     def _resume(self, model: nn.Module, optimizer, stateful: Mapping[str, Any]) -> int:
         start, self._history = 0, []
         saved = checkpoint.restore(model, optimizer, stateful)
+        self._resumed = saved is not None
         if saved is not None:
+            self._ledger = GoodputLedger.from_saved(saved.get("goodput"))
             start, self._history = saved["epoch"] + 1, saved["history"]
             self._last_epoch = saved["epoch"]
             if saved["stopped"]:  # the loop had stopped early there: nothing is left to train
@@ -115,7 +124,6 @@ class WorkerState:
         collective. :meth:`epochs` calls it; a loop without epochs (a script) calls it itself."""
         # Counted in the run itself, so a restart before the first checkpoint counts too.
         self._attempt = self.logger.previous_attempts() + 1
-        self._first_step_logged = self._attempt > 1  # time to first step is the first attempt's
         node_ip = self._record_placement()
         if self.local_rank == 0 and self._system_monitor is None:
             self._system_monitor = system_metrics.start(
@@ -130,6 +138,46 @@ class WorkerState:
         if self._attempt == 1 and self.config.cluster_ready_at:
             self.logger.log_metrics({"startup_workers_s": started - self.config.cluster_ready_at})
         return self._attempt
+
+    def finish_checkpoints(self) -> None:
+        """Wait for the last checkpoint's background write (checkpoint.async), counted as
+        checkpoint time; every rank calls it before the end-of-run records."""
+        waited_from = time.perf_counter()
+        self._background_write.wait()
+        self._ledger.add_checkpoint(time.perf_counter() - waited_from)
+
+    def goodput_parts(self) -> dict[str, float]:
+        """The run's measured goodput parts so far (``goodput_*_s``; see rayapp.train.goodput)."""
+        return {
+            name: value for name, value in self._ledger.metrics().items() if math.isfinite(value)
+        }
+
+    def _first_step_done(self, compute_started: float) -> None:
+        """The attempt's first step ended: start-up (first attempt) or the restart (later ones)
+        ends here; a device sync, once per attempt, so the step's time is the device's."""
+        synchronize(self.device)
+        step = FirstStep(
+            ended_at=time.time(),
+            data_s=self._data_timer.total_s(),
+            compute_s=time.perf_counter() - compute_started,
+        )
+        self._attempt_stepped, self._first_step = True, step
+        # A restart with no checkpoint to resume from lost everything after the first attempt's
+        # first step: the run's record of that step says when it was.
+        startup_s = (
+            self.logger.run_metric("time_to_first_step_s")
+            if self._attempt > 1 and not self._resumed
+            else math.nan
+        )
+        self._ledger.first_step(
+            step,
+            attempt=self._attempt,
+            submitted_at=self.config.submitted_at,
+            resumed=self._resumed,
+            startup_s=startup_s,
+        )
+        if self._attempt == 1:
+            self.logger.log_metrics({"time_to_first_step_s": self._ledger.startup_s})
 
     def close(self) -> None:
         """Stop what the context started on this worker (the node's system-metrics sampler)."""
@@ -222,6 +270,10 @@ class WorkerState:
             )
         )
         samples = collectives.sum_over_ranks(self._samples, self.device)
+        first_step, self._first_step = self._first_step, None
+        self._ledger.add_epoch(
+            compute_s=compute_time, comm_s=comm_time, data_s=data_time, first_step=first_step
+        )
         metrics = {
             **self._epoch_metrics,  # the loop's own (loss, test_accuracy, ...)
             "epoch_time_s": epoch_time,
@@ -259,7 +311,11 @@ class WorkerState:
             run_id=self.config.run_id,
             rank=self.rank,
             stopped=stopped_early,
+            goodput=self._ledger.to_saved(time.time()),
+            background=self._background_write,
         )
+        if save_now:  # what training waited for: all of a sync save, the staging of an async one
+            self._ledger.add_checkpoint(time.perf_counter() - saving_started)
         self._last_epoch = epoch
         self._heartbeat.mark(epoch_ended=True)
         if epoch not in self._already_logged:
