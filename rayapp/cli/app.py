@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from rayapp.cli import cluster, doctor, hosts, jobs, runs, schema, submit
+from rayapp.cli import cluster, doctor, hosts, jobs, runs, schema, submit, tune
 from rayapp.cli.common import CONTEXT_SETTINGS
 
 
@@ -27,6 +27,7 @@ def main() -> None:
 for command in (
     submit.submit,
     submit.bench,
+    tune.tune,
     runs.runs,
     runs.compare,
     runs.ui,

@@ -40,7 +40,10 @@ def _gpus_per_worker(spec: JobSpec) -> int:
     )
 
 
-def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
+def build_trainer(
+    spec: JobSpec, backend: str, worker_config: WorkerConfig, *, callbacks: list | None = None
+):
+    """callbacks: Ray Train callbacks of the run (a tune trial's, which pass each report on)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -83,6 +86,7 @@ def build_trainer(spec: JobSpec, backend: str, worker_config: WorkerConfig):
             failure_config=FailureConfig(max_failures=spec.cluster.failures_allowed),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             worker_runtime_env=_worker_env(),
+            callbacks=callbacks,
         ),
     )
 

@@ -1,0 +1,409 @@
+"""`rayapp tune`: a hyperparameter search on Ray Tune, each trial the job's distributed training.
+
+One MLflow parent run holds the sweep; every trial trains in a child run of it
+(:mod:`rayapp.driver.tune_trial`). Trials run side by side on the cluster, at most `concurrent`
+at a time, each on `nodes_per_trial` nodes; with ``scheduler="asha"`` Ray Tune's ASHA stops weak
+trials between epochs. The best trial is tagged on the parent, with a `rayapp submit` line that
+trains its configuration again. An interrupted sweep is continued by Tune's own restore
+(`resume=True`), each unfinished trial in its own run, from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayapp.driver.session import ray_cluster
+from rayapp.driver.signals import raise_on_termination
+from rayapp.driver.submit import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S, prepare_user_code
+from rayapp.driver.trainer import storage_path
+from rayapp.driver.tune_runs import TrialRunCallback, mark_interrupted, tag_best
+from rayapp.driver.tune_space import Param, check_params, param_space
+from rayapp.driver.tune_trial import (
+    TAG_STOPPED_BY,
+    TAG_TUNE,
+    TAG_TUNE_PATH,
+    TrialPlan,
+    find_trial_run,
+    run_trial,
+    trial_runs,
+)
+from rayapp.errors import RayappError
+from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
+from rayapp.spec import JobSpec, SpecError
+from rayapp.spec.loader import build_spec, spec_document
+from rayapp.spec.overrides import OVERRIDES
+from rayapp.tracking.run import (
+    check_tracking_access,
+    close_run,
+    credentials_from_env,
+    environment_tags,
+    open_run,
+    resolve_tracking_uri,
+)
+
+SCHEDULERS = ("fifo", "asha")
+MODES = ("max", "min")
+ASHA_REDUCTION_FACTOR = 2
+"""Each ASHA rung (after epoch 1, 2, 4, ...) keeps the better half of the trials that reached
+it: a sweep of a handful of trials still stops some (Tune's default, 4, keeps a quarter)."""
+BEST_JOB_ARTIFACT = "best_job.yaml"
+TRIAL_ACTOR_MEMORY = 256 * 2**20
+"""Bytes each trial's Tune actor asks the scheduler for (it drives the trial's training)."""
+FLAG_OF_FIELD = {row.field: row.flag for row in OVERRIDES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    metric: str
+    mode: str = "max"
+    samples: int = 1
+    """Trials drawn from the spaces (with grid spaces: per grid point, as Ray Tune counts)."""
+    scheduler: str = "fifo"
+    nodes_per_trial: int = 1
+    concurrent: int = 1
+    """Trials training at the same time; an embedded cluster gets nodes_per_trial x concurrent
+    nodes."""
+    resume: bool = False
+    job_file: str | None = None
+    flag_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """The command's own spec overrides (``train.epochs``: 3), repeated in the submit line."""
+    verbose: bool = False
+    on_status: Callable[[str], None] = lambda line: None
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    parent_run_id: str
+    tracking_uri: str
+    best_run_id: str
+    best_config: dict[str, Any]
+    best_value: float
+    submit_line: str
+    trials: int
+    stopped_early: int
+
+
+def check_options(base: JobSpec, params: list[Param], options: TuneOptions) -> None:
+    """Everything about the sweep that can be wrong, as one SpecError line before anything
+    starts."""
+    if not params:
+        raise SpecError("--param: give at least one, e.g. --param train.lr='loguniform(1e-4,1e-1)'")
+    for name, value in (
+        ("--samples", options.samples),
+        ("--nodes-per-trial", options.nodes_per_trial),
+        ("--concurrent", options.concurrent),
+    ):
+        if value < 1:
+            raise SpecError(f"{name}: {value} is not accepted; use a whole number >= 1")
+    if options.mode not in MODES:
+        raise SpecError(f"--mode: {options.mode!r} is not accepted; use max or min")
+    if options.scheduler not in SCHEDULERS:
+        raise SpecError(f"--scheduler: {options.scheduler!r} is not accepted; use fifo or asha")
+    if not options.metric.strip():
+        raise SpecError(
+            "--metric: empty; name a metric the job logs each epoch, e.g. test_accuracy"
+        )
+    if options.scheduler == "asha" and base.train.epochs < 2:
+        raise SpecError(
+            f"--scheduler asha: train.epochs is {base.train.epochs}; ASHA stops trials between "
+            "epochs, so give --epochs 2 or more (or --scheduler fifo)"
+        )
+    document = spec_document(base)
+    check_params(params, lambda values: build_spec(document, values))
+
+
+def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneResult:
+    """Run the sweep to its end and return the best trial; KeyboardInterrupt after an interrupted
+    sweep has been saved (its runs KILLED, to be continued with resume=True)."""
+    import ray
+
+    submitted_at = time.time()
+    check_options(base, params, options)
+    raise_on_termination()
+    status = options.on_status
+    os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
+    tracking_uri = resolve_tracking_uri(base.tracking.tracking_uri)
+    check_tracking_access(tracking_uri)
+    base, job_env = prepare_user_code(base, options.job_file, status)
+    trial_base = _with_nodes(base, options.nodes_per_trial)
+    cluster_spec = _with_nodes(base, options.nodes_per_trial * options.concurrent)
+    resumed = _interrupted_sweep(tracking_uri, base) if options.resume else None
+    with ray_cluster(
+        cluster_spec, verbose=options.verbose, status=status, runtime_env=job_env
+    ) as cluster:
+        check_capacity(trial_base)
+        backend = resolve_backend(
+            base.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0)
+        )
+        check_precision(base, backend)
+        from mlflow.tracking import MlflowClient
+
+        if resumed is None:
+            parent = _open_parent(tracking_uri, trial_base, params, options)
+            path = f"{storage_path(base.cluster.storage_path)}/tune-{base.name}-{parent[:8]}"
+            MlflowClient(tracking_uri).set_tag(parent, TAG_TUNE_PATH, path)
+        else:
+            parent, path = resumed
+            MlflowClient(tracking_uri).update_run(parent, status="RUNNING")
+            status(f"resuming sweep {parent} from {path}")
+        plan = TrialPlan(
+            document=spec_document(trial_base),
+            fields=[param.field for param in params],
+            backend=backend,
+            tracking_uri=tracking_uri,
+            parent_run_id=parent,
+            cluster_label=cluster.label,
+            tags=environment_tags(options.job_file),
+            submitted_at=submitted_at,
+            ray_train_env={k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
+            mlflow_credentials=credentials_from_env(),
+        )
+        callback = TrialRunCallback(
+            tracking_uri=tracking_uri,
+            parent_run_id=parent,
+            metric=options.metric,
+            epochs=base.train.epochs,
+            scheduler=options.scheduler,
+        )
+        try:
+            results = _tuner(plan, params, options, path, callback, resumed is not None).fit()
+        except BaseException:
+            mark_interrupted(tracking_uri, parent)
+            raise
+        if callback.unfinished():
+            mark_interrupted(tracking_uri, parent)
+            status(f"sweep interrupted; continue it with the same command and --resume ({path})")
+            raise KeyboardInterrupt
+        try:
+            result = _finish(tracking_uri, parent, results, plan, options, callback)
+        except BaseException:
+            close_run(tracking_uri, parent, "FAILED")
+            raise
+        close_run(tracking_uri, parent, "FINISHED")
+        return result
+
+
+def _with_nodes(spec: JobSpec, nodes: int) -> JobSpec:
+    return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, nodes=nodes))
+
+
+def _open_parent(
+    tracking_uri: str, trial_base: JobSpec, params: list[Param], options: TuneOptions
+) -> str:
+    return open_run(
+        tracking_uri=tracking_uri,
+        experiment=trial_base.tracking.experiment,
+        run_name=f"tune-{trial_base.name}",
+        params={
+            "job": trial_base.name,
+            "samples": str(options.samples),
+            "metric": options.metric,
+            "mode": options.mode,
+            "scheduler": options.scheduler,
+            "nodes_per_trial": str(options.nodes_per_trial),
+            "concurrent": str(options.concurrent),
+            "epochs": str(trial_base.train.epochs),
+            **{f"space.{param.field}": f"{param.kind}{param.values}" for param in params},
+        },
+        tags={TAG_TUNE: "true", **environment_tags(options.job_file)},
+    )
+
+
+def _tuner(
+    plan: TrialPlan,
+    params: list[Param],
+    options: TuneOptions,
+    path: str,
+    callback: TrialRunCallback,
+    resume: bool,
+):
+    from ray import tune
+
+    # The trial actor takes no CPU: its TorchTrainer's workers hold the cluster's CPUs, and a
+    # trial that held one would keep a worker from being placed. Tune needs some resource in a
+    # trial's request; the memory the actor does use (torch, Ray Train and MLflow imported).
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, plan=plan), {"CPU": 0, "memory": TRIAL_ACTOR_MEMORY}
+    )
+    if resume:
+        # Tune's own restore: finished trials stay, unfinished and failed ones run again (each in
+        # its run, from its Ray Train checkpoint), the scheduler's state as it was.
+        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
+    scheduler = None
+    if options.scheduler == "asha":
+        scheduler = tune.schedulers.ASHAScheduler(
+            time_attr="training_iteration",
+            # Below the last epoch, and never stopping at it: a trial that reaches its last epoch
+            # ends as the job does (its run closed and its model logged by the trial).
+            max_t=max(1, plan_epochs(plan) - 1),
+            grace_period=1,
+            reduction_factor=ASHA_REDUCTION_FACTOR,
+            stop_last_trials=False,
+        )
+    directory = Path(path)
+    return tune.Tuner(
+        trainable,
+        param_space=param_space(params),
+        tune_config=tune.TuneConfig(
+            metric=options.metric,
+            mode=options.mode,
+            num_samples=options.samples,
+            max_concurrent_trials=options.concurrent,
+            scheduler=scheduler,
+            # A stopped trial's actor must end, taking its TorchTrainer with it.
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name=directory.name,
+            storage_path=str(directory.parent),
+            callbacks=[callback],
+            verbose=0,
+        ),
+    )
+
+
+def plan_epochs(plan: TrialPlan) -> int:
+    return int(plan.document["train"]["epochs"])
+
+
+def _interrupted_sweep(tracking_uri: str, base: JobSpec) -> tuple[str, str] | None:
+    """The newest sweep of this job in its experiment that did not finish, and its Tune
+    directory; a SpecError when there is none."""
+    from mlflow.tracking import MlflowClient
+    from ray import tune
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(base.tracking.experiment)
+    runs = (
+        client.search_runs(
+            [experiment.experiment_id],
+            filter_string=(
+                f"tags.`{TAG_TUNE}` = 'true' and params.job = '{base.name}' "
+                "and attributes.status != 'FINISHED'"
+            ),
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if experiment is not None
+        else []
+    )
+    if not runs:
+        raise SpecError(
+            f"--resume: no unfinished sweep of job {base.name!r} in experiment "
+            f"{base.tracking.experiment!r}; leave --resume out to start one"
+        )
+    run = runs[0]
+    path = run.data.tags.get(TAG_TUNE_PATH, "")
+    if not path or not tune.Tuner.can_restore(path):
+        raise SpecError(
+            f"--resume: sweep {run.info.run_id} has no saved state at {path!r} to continue from; "
+            "leave --resume out to start a new sweep"
+        )
+    return run.info.run_id, path
+
+
+def _finish(
+    tracking_uri: str,
+    parent: str,
+    results: Any,
+    plan: TrialPlan,
+    options: TuneOptions,
+    callback: TrialRunCallback,
+) -> TuneResult:
+    """Name the best trial on the parent run and say how to train it again."""
+    failed = callback.failed()
+    if len(failed) == len(callback.trials):
+        raise RayappError(
+            f"every trial failed ({len(failed)}); the first: "
+            f"{_trial_error(results)} (MLflow parent run {parent})"
+        )
+    best = results.get_best_result(
+        metric=options.metric, mode=options.mode, scope="last", filter_nan_and_inf=True
+    )
+    if best is None or best.metrics is None or options.metric not in best.metrics:
+        raise RayappError(
+            f"no trial reported {options.metric!r}; name a metric the job logs each epoch "
+            f"(e.g. test_accuracy, test_loss, loss) (MLflow parent run {parent})"
+        )
+    trial_id = best.metrics["trial_id"]
+    run_id = find_trial_run(tracking_uri, parent, trial_id)
+    if run_id is None:
+        raise RayappError(f"the best trial {trial_id} has no MLflow run under {parent}")
+    config = {name: best.config[name] for name in plan.fields}
+    best_spec = build_spec(plan.document, config)
+    submit_line = _submit_line(best_spec, config, options, tracking_uri, parent)
+    tag_best(
+        tracking_uri,
+        parent,
+        run_id=run_id,
+        trial_id=trial_id,
+        config=config,
+        metric=options.metric,
+        value=best.metrics[options.metric],
+        submit_line=submit_line,
+    )
+    runs = trial_runs(tracking_uri, parent)
+    return TuneResult(
+        parent_run_id=parent,
+        tracking_uri=tracking_uri,
+        best_run_id=run_id,
+        best_config=config,
+        best_value=float(best.metrics[options.metric]),
+        submit_line=submit_line,
+        trials=len(runs),
+        stopped_early=sum(1 for run in runs if run.data.tags.get(TAG_STOPPED_BY)),
+    )
+
+
+def _trial_error(results: Any) -> str:
+    errors = [str(error).strip().splitlines() for error in results.errors]
+    return next((lines[-1] for lines in errors if lines), "no error recorded")
+
+
+def _submit_line(
+    best_spec: JobSpec,
+    config: Mapping[str, Any],
+    options: TuneOptions,
+    tracking_uri: str,
+    parent: str,
+) -> str:
+    """`rayapp submit` of the best configuration: the job file with flags when every value has
+    one, else a job file written with the values (beside the job's, so its code still imports),
+    which is also logged on the parent as best_job.yaml."""
+    from mlflow.tracking import MlflowClient
+
+    document = spec_document(best_spec)
+    with tempfile.TemporaryDirectory() as directory:
+        best_yaml = Path(directory) / BEST_JOB_ARTIFACT
+        best_yaml.write_text(yaml.safe_dump(document, sort_keys=False))
+        MlflowClient(tracking_uri).log_artifact(parent, str(best_yaml))
+    values = {
+        **{k: v for k, v in options.flag_overrides.items() if v is not None},
+        "cluster.nodes": best_spec.cluster.nodes,
+        **config,
+    }
+    if options.job_file and all(name in FLAG_OF_FIELD for name in values):
+        words = ["rayapp", "submit", options.job_file]
+        for name, value in values.items():
+            words += [FLAG_OF_FIELD[name], _flag_text(value)]
+        return shlex.join(words)
+    folder = Path(options.job_file).parent if options.job_file else Path.cwd()
+    path = folder / f"{best_spec.name}-best-{parent[:8]}.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return shlex.join(["rayapp", "submit", str(path)])
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)

@@ -1,0 +1,144 @@
+"""The MLflow side of a sweep that Ray Tune drives: a Tune callback that follows each trial's run
+from the driver, and the best trial's tags on the parent run.
+
+The callback is pickled with the sweep's state for `--resume`, so it holds plain data only and
+speaks through the ``rayapp.tune`` logger, whose lines the command shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ray.tune import Callback
+
+from rayapp.driver.tune_trial import TAG_STOPPED_BY, find_trial_run, trial_runs
+from rayapp.tracking.run import TAG_EARLY_STOPPED, close_run
+
+LOG = logging.getLogger("rayapp.tune")
+TAG_STOPPED_AFTER = "rayapp.tune.stopped_after_epoch"
+"""On an early-stopped trial's run: the last epoch (1-based) the scheduler saw."""
+TAG_BEST = "rayapp.tune.best"
+TAG_BEST_RUN = "rayapp.tune.best_run_id"
+TAG_BEST_TRIAL = "rayapp.tune.best_trial_id"
+TAG_BEST_CONFIG = "rayapp.tune.best_config"
+TAG_BEST_SUBMIT = "rayapp.tune.best_submit"
+
+
+class TrialRunCallback(Callback):
+    """Closes the run of a trial the scheduler stopped early (its actor ended with its training,
+    so nothing in the trial can) and tells the terminal each trial's epochs."""
+
+    def __init__(
+        self, *, tracking_uri: str, parent_run_id: str, metric: str, epochs: int, scheduler: str
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.parent_run_id = parent_run_id
+        self.metric = metric
+        self.epochs = epochs
+        self.scheduler = scheduler
+        self.trials: list = []
+
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        self.trials = trials
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
+        value = result.get(self.metric)
+        shown = f"{value:.4g}" if isinstance(value, (int, float)) else "-"
+        LOG.info(
+            "trial %s epoch %s/%s  %s %s  (%s)",
+            trial.trial_id,
+            int(result.get("epoch", -1)) + 1,
+            self.epochs,
+            self.metric,
+            shown,
+            describe_config(trial.config),
+        )
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info: Any) -> None:
+        run_id = find_trial_run(self.tracking_uri, self.parent_run_id, trial.trial_id)
+        if run_id is None:
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.tracking_uri)
+        if client.get_run(run_id).info.status != "RUNNING":
+            return  # the trial ran to its end and closed its run itself
+        epoch = int((trial.last_result or {}).get("epoch", -1)) + 1
+        client.set_tag(run_id, TAG_EARLY_STOPPED, "true")
+        client.set_tag(run_id, TAG_STOPPED_BY, self.scheduler)
+        client.set_tag(run_id, TAG_STOPPED_AFTER, str(epoch))
+        # FINISHED, as a loop that stops itself early (ctx.stop()) ends: the run is complete
+        # up to the epoch it stopped at; the tags say it stopped.
+        close_run(self.tracking_uri, run_id, "FINISHED")
+        LOG.info(
+            "trial %s stopped early by %s after epoch %s/%s",
+            trial.trial_id,
+            self.scheduler,
+            epoch,
+            self.epochs,
+        )
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info: Any) -> None:
+        LOG.info("trial %s failed: %s", trial.trial_id, _first_line(trial.error_file))
+
+    def unfinished(self) -> list:
+        """Trials neither done nor failed: the sweep was interrupted."""
+        return [t for t in self.trials if t.status not in ("TERMINATED", "ERROR")]
+
+    def failed(self) -> list:
+        return [t for t in self.trials if t.status == "ERROR"]
+
+
+def _first_line(error_file: str | None) -> str:
+    """The exception's last line from Tune's error file (its traceback), for one terminal line."""
+    if not error_file:
+        return "see the trial's logs"
+    try:
+        with open(error_file, encoding="utf-8", errors="replace") as handle:
+            lines = [line.strip() for line in handle if line.strip()]
+    except OSError:
+        return error_file
+    return lines[-1] if lines else error_file
+
+
+def describe_config(config: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={_short(value)}" for key, value in config.items())
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def mark_interrupted(tracking_uri: str, parent_run_id: str) -> None:
+    """Every trial run still RUNNING, and the parent, KILLED: `--resume` reopens them."""
+    for run in trial_runs(tracking_uri, parent_run_id):
+        if run.info.status == "RUNNING":
+            close_run(tracking_uri, run.info.run_id, "KILLED")
+    close_run(tracking_uri, parent_run_id, "KILLED")
+
+
+def tag_best(
+    tracking_uri: str,
+    parent_run_id: str,
+    *,
+    run_id: str,
+    trial_id: str,
+    config: Mapping[str, Any],
+    metric: str,
+    value: float,
+    submit_line: str,
+) -> None:
+    """The best trial named on the parent (its run, trial, config and how to train it again) and
+    marked on its own run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    client.set_tag(parent_run_id, TAG_BEST_RUN, run_id)
+    client.set_tag(parent_run_id, TAG_BEST_TRIAL, trial_id)
+    client.set_tag(parent_run_id, TAG_BEST_CONFIG, json.dumps(dict(config), sort_keys=True))
+    client.set_tag(parent_run_id, TAG_BEST_SUBMIT, submit_line)
+    client.log_metric(parent_run_id, f"best_{metric}", float(value))
+    client.set_tag(run_id, TAG_BEST, "true")
