@@ -7,6 +7,7 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from conftest import JOBS
 
 from rayapp.cli.app import main
 from rayapp.driver.tune import TuneOptions, check_options
@@ -20,7 +21,6 @@ from rayapp.driver.tune_space import (
 )
 from rayapp.spec import SpecError
 from rayapp.spec.loader import build_spec, load_spec, spec_document
-from conftest import JOBS
 
 DIGITS = JOBS / "digits_mlp.yaml"
 
