@@ -94,7 +94,8 @@ def ui(tracking_uri: str | None, port: int) -> None:
     "--plot",
     "plot_path",
     type=click.Path(dir_okay=False),
-    help="Also save the scaling plot PNG here: throughput, efficiency, and where the time goes.",
+    help="Also save the scaling plot PNG here: throughput, efficiency, where the time goes, "
+    "and goodput.",
 )
 @friendly_errors
 def compare(
@@ -109,7 +110,9 @@ def compare(
     measured.
 
     Beside them, what explains them: start-up times and each node's mean CPU use in the table,
-    and with --plot, where a steady epoch's time goes (compute, comm, data, other) per run.
+    and with --plot, where a steady epoch's time goes (compute, comm, data, other) per run and
+    where each run's wall time went (goodput: start-up, compute, comm, data, checkpoints,
+    restarts, other).
 
     Runs of a `bench --grid` (its --parent) are also grouped by each axis of the grid: a table per
     axis (each value's mean over the other axes) and the best point per metric, below the table
