@@ -77,7 +77,7 @@ BAD = [
     ),
     (
         {"train.strategy": "zero3"},
-        "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp, dp, mp",
+        "train.strategy: 'zero3' is not accepted; use one of: ddp, fsdp, hsdp, tp, fsdp+tp, dp, mp",
     ),
     ({"train.scaling": "linear"}, "train.scaling: 'linear'"),
     ({"train.epochs": 0}, "train.epochs: 0"),

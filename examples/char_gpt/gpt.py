@@ -90,5 +90,18 @@ class CharGPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def tensor_parallel_plan(self) -> dict:
+        """How rayapp's tp and fsdp+tp split this model over the workers of a node: each block's
+        MLP is a column-wise/row-wise pair (its hidden 4 * n_embd features split, one all-reduce
+        per block and direction). Attention stays whole: its fused qkv projection would need its
+        heads, not its features, split."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict = {}
+        for index in range(len(self.blocks)):
+            plan[f"blocks.{index}.mlp.0"] = ColwiseParallel()
+            plan[f"blocks.{index}.mlp.2"] = RowwiseParallel()
+        return plan
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

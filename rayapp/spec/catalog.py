@@ -14,7 +14,7 @@ ModelKind = Literal["linear", "mlp"]
 DataKind = Literal["random", "synthetic", "digits"]
 LossName = Literal["mse", "cross_entropy"]
 OptimizerName = Literal["sgd", "adam", "adamw"]
-StrategyName = Literal["ddp", "fsdp", "dp", "mp", "pp"]
+StrategyName = Literal["ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "dp", "mp", "pp"]
 
 MODELS = Registry("model.kind", get_args(ModelKind))
 MODELS.register(
@@ -79,6 +79,28 @@ STRATEGIES.register(
     "fsdp",
     "rayapp.train.strategies:apply_fsdp",
     "FSDP2 fully_shard: parameters sharded over workers",
+)
+# The strategies below train over the run's 2-D device mesh (rayapp.train.mesh): dim "replicate"
+# spans the nodes, dim "shard" the workers of one node, so what talks most stays inside a node.
+STRATEGIES.register(
+    "hsdp",
+    "rayapp.train.strategies:apply_hsdp",
+    "hybrid sharding: FSDP2 shards parameters within a node and replicates them across nodes",
+    mesh=True,
+)
+STRATEGIES.register(
+    "tp",
+    "rayapp.train.strategies:apply_tp",
+    "tensor parallelism within a node (column-/row-wise linear pairs), data parallel across nodes",
+    mesh=True,
+    tensor_parallel=True,
+)
+STRATEGIES.register(
+    "fsdp+tp",
+    "rayapp.train.strategies:apply_fsdp_tp",
+    "tensor parallelism within a node, FSDP2 sharding across nodes",
+    mesh=True,
+    tensor_parallel=True,
 )
 STRATEGIES.register(
     "dp",

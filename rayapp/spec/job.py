@@ -19,6 +19,7 @@ from rayapp.spec.catalog import DATASETS, STRATEGIES
 from rayapp.spec.cluster import ClusterSpec
 from rayapp.spec.errors import SpecError
 from rayapp.spec.fields import SECTION_CONFIG, NonBlank, Text, is_import_path, section
+from rayapp.spec.mesh import check_tensor_parallel, is_tensor_parallel
 from rayapp.spec.pipeline import PipelineSpec, check_pipeline
 from rayapp.spec.sections import CheckpointSpec, DataSpec, ModelSpec, TrackingSpec
 from rayapp.spec.training import PRECISIONS, SCALINGS, TrainSpec
@@ -100,6 +101,7 @@ class JobSpec:
             )
         if self.train.pipeline is not None:
             check_pipeline(self)
+        check_tensor_parallel(self)
         if self.train.scaling == "strong":
             self._check_global_batch()
         return self
@@ -140,9 +142,18 @@ class JobSpec:
     @property
     def data_parallel_size(self) -> int:
         """Workers that each read their own share of the data: all of them, but under strategy pp
-        the stages of a pipeline read the same batches (one data-parallel replica)."""
+        the stages of a pipeline read the same batches (one data-parallel replica), and under tp
+        and fsdp+tp the workers of a node do (one replica per node)."""
+        return self.data_parallel_at(self.world_size)
+
+    def data_parallel_at(self, world_size: int) -> int:
+        """Data-parallel replicas when `world_size` workers train (an elastic run's changes)."""
         pipeline = self.train.pipeline
-        return self.world_size // (pipeline.stages or 1) if pipeline else self.world_size
+        if pipeline:
+            return world_size // (pipeline.stages or 1)
+        if is_tensor_parallel(self.train.strategy):
+            return world_size // self.cluster.workers_per_node
+        return world_size
 
     @property
     def batch_size_per_worker(self) -> int:
@@ -158,7 +169,7 @@ class JobSpec:
         assert train.global_batch_size is not None  # strong scaling's batch always has a value
         if train.pipeline:  # never elastic: the replicas are fixed by the stages
             return train.global_batch_size // self.data_parallel_size
-        return train.global_batch_size // world_size
+        return train.global_batch_size // self.data_parallel_at(world_size)
 
     @property
     def global_batch_size(self) -> int:

@@ -104,8 +104,10 @@ class TrainSpec:
     )
     strategy: StrategyName = Field(
         default="ddp",
-        description="ddp (DistributedDataParallel), fsdp (FSDP2), dp (nn.DataParallel, one "
-        "node), mp (layers split across two GPUs) or pp (pipeline stages, train.pipeline).",
+        description="ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a "
+        "node, replicated across nodes), tp (tensor parallel within a node), fsdp+tp, dp "
+        "(nn.DataParallel, one node), mp (layers split across two GPUs) or pp (pipeline stages, "
+        "train.pipeline).",
     )
     pipeline: PipelineSpec | None = Field(
         default=None, description="Strategy pp's stages, micro-batches and schedule."

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rayapp.spec import JobSpec
+from rayapp.spec.mesh import mesh_label
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -40,6 +41,8 @@ thread's CPU time, and the number of writes."""
 TAG_NODE_IDS = "rayapp.node_ids"
 TAG_NODE_IPS = "rayapp.node_ips"
 TAG_CLUSTER = "rayapp.cluster"
+TAG_MESH = "rayapp.mesh"
+"""The device mesh the workers built (hsdp, tp, fsdp+tp), e.g. replicate=2,shard=2."""
 TAG_ATTEMPTS = "rayapp.attempts"
 TAG_RANK_EXIT_CODES = "rayapp.rank_exit_codes"
 """A --script job's exit code on each rank, in rank order."""
@@ -84,6 +87,7 @@ def job_params(spec: JobSpec, backend: str) -> dict[str, str]:
         "world_size": spec.cluster.world_label,
         "backend": backend,
         "strategy": spec.train.strategy,
+        "mesh": mesh_label(spec.cluster),  # the device mesh: nodes x workers per node
         "epochs": str(spec.train.epochs),
         "batch_size": str(spec.batch_size_per_worker),
         "global_batch_size": str(spec.global_batch_size),

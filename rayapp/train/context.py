@@ -39,17 +39,29 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
+from rayapp.spec.mesh import is_tensor_parallel, uses_mesh
+from rayapp.tracking.run import TAG_MESH
 from rayapp.train import checkpoint, collectives
+from rayapp.train.comm_bytes import CollectiveBytes
 from rayapp.train.data import build_loader, shard_sampler
+from rayapp.train.mesh import build_mesh, describe
 from rayapp.train.strategies import Placement, apply_strategy, local_parameter_bytes
 from rayapp.train.timing import DdpCommClock, synchronize
 from rayapp.train.worker_state import WorkerState, batch_size_of
 
+COMM_COUNTED_STEP = 1
+"""The step of each epoch (from 0) whose collectives are counted as comm_bytes_per_step."""
+
 
 class TrainContext(WorkerState):
     """One worker's view of the job. Every rank runs the loop; only rank 0 writes to MLflow."""
+
+    _mesh: DeviceMesh | None = None
+    _comm_epoch: int | None = -1  # the epoch whose steps _comm_steps counts
+    _comm_steps = 0
 
     # ---- what a loop reads ------------------------------------------------------------
 
@@ -68,6 +80,32 @@ class TrainContext(WorkerState):
         return self._stepper.global_step
 
     @property
+    def mesh(self) -> DeviceMesh:
+        """The run's 2-D device mesh, dims ``replicate`` (nodes) and ``shard`` (the workers of a
+        node); built once, on first use (a collective: every rank asks for it at the same point,
+        as :meth:`prepare` does under hsdp, tp and fsdp+tp)."""
+        if self._mesh is None:
+            self._mesh = build_mesh(
+                world_size=self.world_size,
+                workers_per_node=self.spec.cluster.workers_per_node,
+                device=self.device,
+            )
+        return self._mesh
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank reads: its rank, but under tp and fsdp+tp its node's
+        (the workers of a node split each layer, so they take the same batches)."""
+        if is_tensor_parallel(self.spec.train.strategy):
+            return self.mesh.get_local_rank("replicate")
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into (see :attr:`data_parallel_rank`)."""
+        return self.spec.data_parallel_at(self.world_size)
+
+    @property
     def input_device(self) -> torch.device:
         return self._placement.input_device if self._placement else self.device
 
@@ -80,7 +118,10 @@ class TrainContext(WorkerState):
     def prepare(self, model: nn.Module) -> nn.Module:
         """The job's strategy (train.strategy: ddp, fsdp, ...) applied to `model`, on this
         worker's device."""
-        placement = apply_strategy(self.spec, model, self.device)
+        mesh = self.mesh if uses_mesh(self.spec.train.strategy) else None
+        placement = apply_strategy(self.spec, model, self.device, mesh)
+        if mesh is not None:
+            self.logger.set_tags({TAG_MESH: describe(mesh)})
         # NaN for strategies without DDP's reducer
         self._comm_clock = DdpCommClock(placement.model, every=self.spec.train.timing_every)
         self._efficiency.watch(model, placement.model, lambda: self._compute_timer.mark_ready())
@@ -106,8 +147,8 @@ class TrainContext(WorkerState):
         loader = build_loader(
             self.spec,
             dataset,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.data_parallel_rank,
+            world_size=self.data_parallel_size,
             batch_size=batch_size,
             shuffle=shuffle,
             pin_memory=self.device.type == "cuda",
@@ -198,7 +239,8 @@ class TrainContext(WorkerState):
                 break
             batch = self._to_devices(batch)
             self._data_timer.stop()
-            self._samples += batch_size_of(batch)
+            if self._counts_samples:
+                self._samples += batch_size_of(batch)
             yield batch
         if self._epoch_stopped is None:
             synchronize(self.device)
@@ -211,7 +253,9 @@ class TrainContext(WorkerState):
         gradient all-reduce (DDP's no_sync, FSDP's requires_gradient_sync)."""
         first_step_started = None if self._attempt_stepped else time.perf_counter()
         self._compute_timer.start()
+        counter = self._comm_counter_for_this_step()
         with (
+            counter,
             self._stepper.gradient_sync(self._placement.model if self._placement else None),
             self._efficiency.counting_step(lambda: self._samples_before_epoch + self._samples),
         ):
@@ -220,6 +264,8 @@ class TrainContext(WorkerState):
                 self._comm_clock.step_finished()
         self._compute_timer.stop()
         self._heartbeat.mark()  # a loop with a loader of its own marks its steps here
+        if isinstance(counter, CollectiveBytes):
+            self._epoch_metrics["comm_bytes_per_step"] = float(counter.total)
         if first_step_started is not None:  # logs time_to_first_step_s on the first attempt
             self._first_step_done(first_step_started)
 
@@ -267,6 +313,26 @@ class TrainContext(WorkerState):
     def parameter_bytes(self) -> int:
         """Bytes of parameters this rank holds (its shard under FSDP)."""
         return local_parameter_bytes(self._placement.model) if self._placement else 0
+
+    @property
+    def _counts_samples(self) -> bool:
+        """Whether this rank's batches count as samples trained: under tp and fsdp+tp the workers
+        of a node share each batch, so only the first of them counts it."""
+        return not is_tensor_parallel(self.spec.train.strategy) or (
+            self.mesh.get_local_rank("shard") == 0
+        )
+
+    def _comm_counter_for_this_step(self) -> contextlib.AbstractContextManager:
+        """The epoch's second step (the first may set up the strategy's buffers) counts the bytes
+        its collectives move (comm_bytes_per_step); the others run unwatched."""
+        if self._comm_epoch != self._epoch:
+            self._comm_epoch, self._comm_steps = self._epoch, 0
+        self._comm_steps += 1
+        return (
+            CollectiveBytes()
+            if self._comm_steps == COMM_COUNTED_STEP + 1
+            else contextlib.nullcontext()
+        )
 
     def _to_devices(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
