@@ -5,7 +5,10 @@ compare's grouping by each axis. (The older `--nodes 1,2` form runs in test_ui_b
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 from conftest import JOBS, mlflow_client, run_rayapp
+
+from rayapp.cli.app import main
 
 pytestmark = pytest.mark.integration
 
@@ -56,17 +59,19 @@ def test_grid_of_nodes_and_strategies(workdir, warm_cluster):
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     assert 0 < parent.data.metrics["efficiency_at_largest"] <= 2.5
 
-    compared = run_rayapp(
-        "compare",
-        "--parent",
-        parent.info.run_id,
-        "--tracking-uri",
-        f"sqlite:///{workdir / 'mlflow.db'}",
-        "--plot",
-        str(workdir / "grouped.png"),
-        cwd=workdir,
+    compared = CliRunner().invoke(  # in this process: no second interpreter to start
+        main,
+        [
+            "compare",
+            "--parent",
+            parent.info.run_id,
+            "--tracking-uri",
+            f"sqlite:///{workdir / 'mlflow.db'}",
+            "--plot",
+            str(workdir / "grouped.png"),
+        ],
     )
-    assert compared.returncode == 0, compared.stderr[-3000:]
+    assert compared.exit_code == 0, compared.output[-3000:]
     for line in ("Grid by nodes", "Grid by train.strategy", "best samples_per_s (max): "):
-        assert line in compared.stdout, compared.stdout
+        assert line in compared.output, compared.output
     assert (workdir / "grouped.png").exists() and (workdir / "grouped-scaling.png").exists()

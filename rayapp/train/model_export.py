@@ -48,8 +48,8 @@ def exports_model(spec: JobSpec) -> bool:
 
 
 def input_example(dataset: Dataset, rows: int = EXAMPLE_ROWS) -> np.ndarray:
-    """The inputs of the first `rows` samples of `dataset` (each sample ``(inputs, target)``), as
-    one float array."""
+    """The inputs of the first `rows` samples of `dataset` (each sample ``(inputs, target)``),
+    stacked into one array."""
     count = min(rows, len(dataset))  # type: ignore[arg-type]
     if count == 0:
         raise ValueError("the data set is empty: no input example to log the model with")
