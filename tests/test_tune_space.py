@@ -120,12 +120,15 @@ def test_spaces_become_tune_domains_and_trial_values_plain_overrides():
         ({"nodes_per_trial": 0}, "--nodes-per-trial: 0 is not accepted"),
         ({"mode": "best"}, "--mode: 'best' is not accepted; use max or min"),
         ({"scheduler": "pbt"}, "--scheduler: 'pbt' is not accepted; use fifo or asha"),
+        ({"address": "http://127.0.0.1:8265"}, "is a Ray Jobs API address"),
     ],
 )
 def test_bad_sweep_options_are_named(changes, named):
+    address = changes.pop("address", None)
     options = TuneOptions(**{"metric": "test_accuracy", **changes})
+    spec = load_spec(DIGITS, {"cluster.address": address})
     with pytest.raises(SpecError, match=named):
-        check_options(load_spec(DIGITS), parse_params(["train.lr=choice(0.1)"]), options)
+        check_options(spec, parse_params(["train.lr=choice(0.1)"]), options)
 
 
 def test_asha_needs_an_epoch_to_stop_after():

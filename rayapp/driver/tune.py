@@ -14,7 +14,6 @@ import dataclasses
 import os
 import shlex
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from rayapp.driver.session import ray_cluster
+from rayapp.driver.session import progress_pump, ray_cluster
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.submit import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S, prepare_user_code
 from rayapp.driver.trainer import storage_path
@@ -118,6 +117,12 @@ def check_options(base: JobSpec, params: list[Param], options: TuneOptions) -> N
             f"--scheduler asha: train.epochs is {base.train.epochs}; ASHA stops trials between "
             "epochs, so give --epochs 2 or more (or --scheduler fifo)"
         )
+    address = base.cluster.address or ""
+    if address.startswith(("http://", "https://")):
+        raise SpecError(
+            f"--address: {address!r} is a Ray Jobs API address; rayapp tune drives its trials "
+            "from this machine, so give the cluster's Ray address (HOST:6379)"
+        )
     document = spec_document(base)
     check_params(params, lambda values: build_spec(document, values))
 
@@ -127,11 +132,13 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
     sweep has been saved (its runs KILLED, to be continued with resume=True)."""
     import ray
 
-    submitted_at = time.time()
     check_options(base, params, options)
     raise_on_termination()
     status = options.on_status
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
+    # Tune's legacy reporter, which verbose=0 silences (its newer one prints a header and a
+    # table per failed trial at any verbosity): the command prints each trial's epochs itself.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     tracking_uri = resolve_tracking_uri(base.tracking.tracking_uri)
     check_tracking_access(tracking_uri)
     base, job_env = prepare_user_code(base, options.job_file, status)
@@ -156,30 +163,32 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
             parent, path = resumed
             MlflowClient(tracking_uri).update_run(parent, status="RUNNING")
             status(f"resuming sweep {parent} from {path}")
-        plan = TrialPlan(
-            document=spec_document(trial_base),
-            fields=[param.field for param in params],
-            backend=backend,
-            tracking_uri=tracking_uri,
-            parent_run_id=parent,
-            cluster_label=cluster.label,
-            tags=environment_tags(options.job_file),
-            submitted_at=submitted_at,
-            ray_train_env={k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
-            mlflow_credentials=credentials_from_env(),
-        )
-        callback = TrialRunCallback(
-            tracking_uri=tracking_uri,
-            parent_run_id=parent,
-            metric=options.metric,
-            epochs=base.train.epochs,
-            scheduler=options.scheduler,
-        )
-        try:
-            results = _tuner(plan, params, options, path, callback, resumed is not None).fit()
-        except BaseException:
-            mark_interrupted(tracking_uri, parent)
-            raise
+        # Rank 0's warnings (a model that could not be logged, ...); Tune reports the epochs.
+        with progress_pump(lambda item: _show_message(item, status)) as messages:
+            plan = TrialPlan(
+                document=spec_document(trial_base),
+                fields=[param.field for param in params],
+                backend=backend,
+                tracking_uri=tracking_uri,
+                parent_run_id=parent,
+                cluster_label=cluster.label,
+                tags=environment_tags(options.job_file),
+                messages=messages,
+                ray_train_env={k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
+                mlflow_credentials=credentials_from_env(),
+            )
+            callback = TrialRunCallback(
+                tracking_uri=tracking_uri,
+                parent_run_id=parent,
+                metric=options.metric,
+                epochs=base.train.epochs,
+                scheduler=options.scheduler,
+            )
+            try:
+                results = _tuner(plan, params, options, path, callback, resumed is not None).fit()
+            except BaseException:
+                mark_interrupted(tracking_uri, parent)
+                raise
         if callback.unfinished():
             mark_interrupted(tracking_uri, parent)
             status(f"sweep interrupted; continue it with the same command and --resume ({path})")
@@ -191,6 +200,11 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
             raise
         close_run(tracking_uri, parent, "FINISHED")
         return result
+
+
+def _show_message(item: dict, status: Callable[[str], None]) -> None:
+    if "message" in item:
+        status(f"warning: {item['message']}")
 
 
 def _with_nodes(spec: JobSpec, nodes: int) -> JobSpec:

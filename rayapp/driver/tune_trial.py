@@ -45,7 +45,9 @@ class TrialPlan:
     cluster_label: str
     tags: dict[str, str]
     """Tags every trial's run carries (versions, job file, git sha)."""
-    submitted_at: float
+    messages: Any
+    """The driver's progress queue (a ray.util.queue.Queue): rank 0's warnings reach the
+    terminal by it, as a submitted job's do."""
     ray_train_env: dict[str, str]
     """The driver's Ray Train settings (controller polling, ...): Ray Train takes them from the
     process that calls fit(), here the trial actor."""
@@ -65,6 +67,7 @@ def run_trial(config: dict[str, Any], plan: TrialPlan) -> None:
 
     for name, value in plan.ray_train_env.items():
         os.environ.setdefault(name, value)
+    started_at = time.time()
     spec = trial_spec(plan, config)
     trial_id = tune.get_context().get_trial_id()
     run_id = _trial_run(plan, spec, trial_id, config)
@@ -75,21 +78,32 @@ def run_trial(config: dict[str, Any], plan: TrialPlan) -> None:
             spec=spec,
             run_id=run_id,
             tracking_uri=plan.tracking_uri,
-            submitted_at=plan.submitted_at,
-            cluster_ready_at=time.time(),
+            # The trial's own start: its time to first step is its own, not the sweep's.
+            submitted_at=started_at,
+            cluster_ready_at=started_at,
             fallback_path=fallback_path(
                 storage_path(spec.cluster.storage_path), trial_name(spec, run_id), run_id
             ),
             mlflow_credentials=plan.mlflow_credentials,
+            progress=plan.messages,
         ),
         callbacks=[TuneReportCallback()],
     )
-    outcome = "FAILED"
     try:
         trainer.fit()
-        outcome = "FINISHED"
-    finally:
-        close_run(plan.tracking_uri, run_id, outcome)
+    except BaseException:
+        # A trial the scheduler stopped ends here too (its training torn down with it), after
+        # the driver closed its run as stopped early: only a run still open failed.
+        if _run_status(plan.tracking_uri, run_id) == "RUNNING":
+            close_run(plan.tracking_uri, run_id, "FAILED")
+        raise
+    close_run(plan.tracking_uri, run_id, "FINISHED")
+
+
+def _run_status(tracking_uri: str, run_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return str(MlflowClient(tracking_uri).get_run(run_id).info.status)
 
 
 def _trial_run(plan: TrialPlan, spec: Any, trial_id: str, config: dict[str, Any]) -> str:
