@@ -129,8 +129,9 @@ def save_async_then_train_on(rank: int, directory: str, out: dict) -> None:
         optimizer.step()
     background.wait()
     assert written is not None and written.done()
+    after = full_state(model)  # a collective under FSDP: every rank
     if rank == 0:
-        out["saved"], out["after"] = at_save, full_state(model)
+        out["saved"], out["after"] = at_save, after
 
 
 def test_an_async_save_holds_the_state_it_was_taken_at_while_training_goes_on(tmp_path):
@@ -138,9 +139,7 @@ def test_an_async_save_holds_the_state_it_was_taken_at_while_training_goes_on(tm
     os.makedirs(directory)
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(
-            group, args=(2, free_port(), save_async_then_train_on, directory, out), nprocs=2
-        )
+        mp.spawn(group, args=(2, free_port(), save_async_then_train_on, directory, out), nprocs=2)
         mp.spawn(group, args=(1, free_port(), load_on_one, directory, out), nprocs=1, join=True)
         out = dict(out)
     for key, saved in out["saved"].items():

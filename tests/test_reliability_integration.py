@@ -24,13 +24,19 @@ from conftest import (
 
 from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.tracking.backfill import newest_history
+from rayapp.tracking.goodput import MEASURED_PARTS, PARTS
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
 
 pytestmark = pytest.mark.integration
 
 
 def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_cluster):
+    """With async checkpoints (DCP's async_save): the kill may land while a checkpoint is still
+    being written, and the run resumes from one that was whole. The restart shows in goodput."""
     epochs = 6
+    job = workdir / "seed_linear_async.yaml"
+    job.write_text((JOBS / "seed_linear.yaml").read_text() + "checkpoint:\n  async: true\n")
+    started = time.monotonic()
     process = start_rayapp(
         "submit",
         "--nodes",
@@ -39,7 +45,7 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_clu
         str(epochs),
         "--max-failures",
         "1",
-        str(JOBS / "seed_linear.yaml"),
+        str(job),
         cwd=workdir,
         env=warm_cluster,
     )
@@ -50,6 +56,7 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_clu
     finally:
         if process.poll() is None:
             process.kill()
+    took = time.monotonic() - started
     assert process.returncode == 0, output[-3000:]
 
     client = mlflow_client(workdir)
@@ -59,6 +66,22 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_clu
     for key in EPOCH_METRICS:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(epochs)), f"{key} logged at {steps}"
+
+    # Goodput: the parts add up to the wall time, which the submit's own lifetime bounds; the
+    # measured parts alone stay within it (other, the remainder, is not a large negative), and
+    # the restart cost time.
+    metrics = run.data.metrics
+    wall = metrics["run_wall_s"]
+    assert 0 < wall < took
+    assert sum(metrics[name] for name in PARTS) == pytest.approx(wall, rel=0.02)
+    measured = sum(metrics[name] for name in MEASURED_PARTS)
+    assert measured <= 1.02 * wall, {name: metrics[name] for name in PARTS}
+    assert metrics["goodput_restart_lost_s"] > 0
+    # Start-up runs to the first step: past the cluster's and the workers' own start-up figures.
+    started_up = metrics["startup_cluster_s"] + metrics["startup_workers_s"]
+    assert started_up < metrics["goodput_startup_s"] < wall
+    assert metrics["goodput_compute_s"] > 0 and metrics["goodput_checkpoint_s"] > 0
+    assert metrics["goodput"] == pytest.approx(metrics["goodput_compute_s"] / wall)
 
 
 def stop_and_check(workdir, process, signum: int, exit_code: int, said: str) -> None:
