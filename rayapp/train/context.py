@@ -149,7 +149,7 @@ class TrainContext(WorkerState):
             dataset,
             rank=self.data_parallel_rank,
             world_size=self.data_parallel_size,
-            batch_size=batch_size,
+            batch_size=batch_size or self.spec.batch_size_at(self.world_size),
             shuffle=shuffle,
             pin_memory=self.device.type == "cuda",
             **loader_kwargs,
