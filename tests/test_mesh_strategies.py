@@ -5,6 +5,7 @@ strategy trains to ddp's weights and an hsdp checkpoint resumes on a mesh of ano
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -211,3 +212,22 @@ def test_mesh_strategies_train_to_ddps_weights_and_hsdp_resumes_on_another_shape
     parameters = sum(p.numel() for p in mlp().parameters())
     assert out["ddp_bytes"] == 4 * parameters
     assert out["hsdp_bytes"] > out["ddp_bytes"] and out["tp_bytes"] > 0
+
+
+def test_a_factory_model_tp_cannot_split_is_refused_before_anything_starts(tmp_path):
+    from rayapp.train.user_code import check_user_code
+
+    (tmp_path / "tp_models.py").write_text(
+        "from torch import nn\n"
+        "def odd(): return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))\n"
+        "def planless(): return nn.Bilinear(2, 2, 2)\n"
+    )
+    for factory, message in (
+        ("tp_models:odd", "layer '0' (Linear) has 6 features to split column-wise"),
+        ("tp_models:planless", "model Bilinear has no tensor-parallel plan"),
+    ):
+        document = job("tp", [64]) | {"model": {"factory": factory}}
+        document["cluster"]["workers_per_node"] = 4
+        with pytest.raises(SpecError, match=re.escape(f"model.factory: {factory}: {message}")):
+            check_user_code(build_spec(document, {}), tmp_path)
+    sys.modules.pop("tp_models", None)

@@ -20,6 +20,7 @@ from torch import nn
 from rayapp.errors import first_line
 from rayapp.spec import JobSpec, SpecError
 from rayapp.spec.job import is_import_path
+from rayapp.spec.mesh import is_tensor_parallel
 from rayapp.train.data import as_datasets
 
 
@@ -53,6 +54,13 @@ def check_user_code(spec: JobSpec, code_dir: Path | None) -> None:
                 f"model.factory: {spec.model.factory} returned {type(model).__name__}; "
                 "expected a torch.nn.Module"
             )
+        if is_tensor_parallel(spec.train.strategy):  # a plan, and widths that divide, before start
+            from rayapp.train.tensor_parallel import TensorParallelError, plan_for
+
+            try:
+                plan_for(model, spec.cluster.workers_per_node)
+            except TensorParallelError as exc:
+                raise SpecError(f"model.factory: {spec.model.factory}: {exc}") from None
     if spec.data.factory:
         factory = resolve("data.factory", spec.data.factory, code_dir)
         built = _call("data.factory", spec.data.factory, factory, spec.data.args)
