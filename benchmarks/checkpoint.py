@@ -12,7 +12,14 @@ It prints the median save time (the slowest rank's), the bytes written, the peak
 the save took on rank 0, and each time as a ratio to ``ddp/full`` measured in the same run. Ray
 Train then copies the same files to storage; that copy scales with the bytes and is not timed here.
 
-    python benchmarks/checkpoint.py                      # 50M parameters, 3 saves each
+Then the training pause per save, sync against async (``checkpoint.async``: DCP's ``async_save``),
+for DDP and FSDP with DCP: `--pairs` pairs of one sync save and one async save in the same
+processes, alternating which goes first. The pause is how long the save call held the training loop
+(the slowest rank's): all of a sync save; the staging copy of an async one, whose write then runs
+in the background while the ranks take training steps. It prints the median pause with its range,
+the median of each pair's async/sync ratio, and how long the background write took.
+
+    python benchmarks/checkpoint.py                      # 50M parameters, 3 saves each, 5 pairs
     python benchmarks/checkpoint.py --width 4096 --layers 3 --repeats 5 --dir /mnt/nvme/tmp
 """
 
@@ -36,7 +43,7 @@ from torch import nn
 
 from rayapp.launch.cluster import free_port
 from rayapp.spec.loader import build_spec
-from rayapp.train.checkpoint import load, save
+from rayapp.train.checkpoint import BackgroundWrite, load, save
 from rayapp.train.strategies import apply_strategy
 
 WORLD_SIZE = 2
@@ -116,6 +123,83 @@ def one_rank(
         dist.destroy_process_group()
 
 
+def slowest(seconds: float) -> float:
+    """The slowest rank's figure (a collective)."""
+    value = torch.tensor([seconds])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def pause_pairs(
+    rank: int, args: argparse.Namespace, port: int, strategy: str, results: dict
+) -> None:
+    """`--pairs` pairs of a sync and an async DCP save of the same state, in one process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    try:
+        specs = {
+            mode: build_spec(
+                {
+                    "name": "checkpoint_bench",
+                    "train": {"strategy": strategy},
+                    "checkpoint": {"format": "dcp", "async": mode == "async"},
+                    "cluster": {"nodes": WORLD_SIZE},
+                }
+            )
+            for mode in ("sync", "async")
+        }
+        model = apply_strategy(specs["sync"], build_mlp(args.width, args.layers), device).model
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        batch = torch.randn(8, args.width, device=device)
+
+        def train_step() -> None:
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        train_step()
+        background = BackgroundWrite()
+        pauses: dict[str, list[float]] = {"sync": [], "async": []}
+        writes, steps_during = [], []
+        for pair in range(args.pairs):
+            order = ("sync", "async") if pair % 2 == 0 else ("async", "sync")
+            for mode in order:
+                directory = os.path.join(args.dir, f"pause-{strategy}-{pair}-{mode}")
+                if rank == 0:
+                    os.makedirs(directory)
+                dist.barrier()
+                started = time.perf_counter()
+                written = save(
+                    specs[mode],
+                    directory,
+                    model,
+                    optimizer,
+                    {},
+                    rank=rank,
+                    background=background if mode == "async" else None,
+                )
+                pause = time.perf_counter() - started
+                steps = 0
+                if written is not None:  # train while the write runs, as the loop would
+                    while not written.done() and steps < 50:
+                        train_step()
+                        steps += 1
+                    background.wait()
+                    writes.append(slowest(time.perf_counter() - started))
+                    steps_during.append(steps)
+                pauses[mode].append(slowest(pause))
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(directory)
+        if rank == 0:
+            results[strategy] = {"pauses": pauses, "writes": writes, "steps": steps_during}
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=4096, help="features per layer (default 4096)")
@@ -124,6 +208,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="saves per combination; the median is shown"
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=5, help="sync/async pairs per strategy (pause comparison)"
     )
     parser.add_argument(
         "--dir", default=tempfile.gettempdir(), help="where checkpoints are written"
@@ -141,9 +228,19 @@ def main() -> None:
                     join=True,
                 )
             results = dict(results)
+            pauses = manager.dict()
+            for strategy in ("ddp", "fsdp"):
+                mp.spawn(
+                    pause_pairs,
+                    args=(args, free_port(), strategy, pauses),
+                    nprocs=WORLD_SIZE,
+                    join=True,
+                )
+            pauses = dict(pauses)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     report(results, args)
+    report_pauses(pauses, args)
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
@@ -186,8 +283,37 @@ def report(results: dict, args: argparse.Namespace) -> None:
     Console(width=160).print(table)
     print(
         f"command: python benchmarks/checkpoint.py --width {args.width} --layers {args.layers} "
-        f"--repeats {args.repeats}"
+        f"--repeats {args.repeats} --pairs {args.pairs}"
     )
+
+
+def median_range(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+
+
+def report_pauses(pauses: dict, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"Training pause per DCP save, sync vs async, {args.pairs} pairs, median (range); "
+            "ratios against the sync save of the same pair"
+        )
+    )
+    for column in ("strategy", "sync pause", "async pause", "async/sync", "async write (bg)"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for strategy, figures in pauses.items():
+        sync, asynchronous = figures["pauses"]["sync"], figures["pauses"]["async"]
+        ratios = [a / s for a, s in zip(asynchronous, sync, strict=True)]
+        table.add_row(
+            strategy,
+            median_range(sync),
+            median_range(asynchronous),
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+            f"{median_range(figures['writes'])}, {statistics.median(figures['steps']):.0f} steps",
+        )
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
