@@ -177,6 +177,7 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
                 ray_train_env={k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
                 mlflow_credentials=credentials_from_env(),
             )
+            # On resume Tune restores the sweep's own callback with the rest of its state.
             callback = TrialRunCallback(
                 tracking_uri=tracking_uri,
                 parent_run_id=parent,
@@ -189,12 +190,12 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
             except BaseException:
                 mark_interrupted(tracking_uri, parent)
                 raise
-        if callback.unfinished():
+        if results.num_terminated + results.num_errors < len(results):  # Ctrl-C: Tune saved it
             mark_interrupted(tracking_uri, parent)
             status(f"sweep interrupted; continue it with the same command and --resume ({path})")
             raise KeyboardInterrupt
         try:
-            result = _finish(tracking_uri, parent, results, plan, options, callback)
+            result = _finish(tracking_uri, parent, results, plan, options)
         except BaseException:
             close_run(tracking_uri, parent, "FAILED")
             raise
@@ -332,13 +333,11 @@ def _finish(
     results: Any,
     plan: TrialPlan,
     options: TuneOptions,
-    callback: TrialRunCallback,
 ) -> TuneResult:
     """Name the best trial on the parent run and say how to train it again."""
-    failed = callback.failed()
-    if len(failed) == len(callback.trials):
+    if results.num_errors == len(results):
         raise RayappError(
-            f"every trial failed ({len(failed)}); the first: "
+            f"every trial failed ({len(results)}); the first: "
             f"{_trial_error(results)} (MLflow parent run {parent})"
         )
     best = results.get_best_result(

@@ -39,10 +39,6 @@ class TrialRunCallback(Callback):
         self.metric = metric
         self.epochs = epochs
         self.scheduler = scheduler
-        self.trials: list = []
-
-    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
-        self.trials = trials
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         value = result.get(self.metric)
@@ -83,13 +79,6 @@ class TrialRunCallback(Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info: Any) -> None:
         LOG.info("trial %s failed: %s", trial.trial_id, _first_line(trial.error_file))
-
-    def unfinished(self) -> list:
-        """Trials neither done nor failed: the sweep was interrupted."""
-        return [t for t in self.trials if t.status not in ("TERMINATED", "ERROR")]
-
-    def failed(self) -> list:
-        return [t for t in self.trials if t.status == "ERROR"]
 
 
 def _first_line(error_file: str | None) -> str:
