@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rayapp.driver.session import progress_pump, ray_cluster
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.submit import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S, prepare_user_code
 from rayapp.driver.trainer import storage_path
-from rayapp.driver.tune_runs import TrialRunCallback, mark_interrupted, tag_best
+from rayapp.driver.tune_runs import TrialRunCallback, best_submit_line, mark_interrupted, tag_best
 from rayapp.driver.tune_space import Param, check_params, param_space
 from rayapp.driver.tune_trial import (
     TAG_STOPPED_BY,
@@ -40,7 +36,6 @@ from rayapp.errors import RayappError
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
 from rayapp.spec import JobSpec, SpecError
 from rayapp.spec.loader import build_spec, spec_document
-from rayapp.spec.overrides import OVERRIDES
 from rayapp.tracking.run import (
     check_tracking_access,
     close_run,
@@ -55,10 +50,8 @@ MODES = ("max", "min")
 ASHA_REDUCTION_FACTOR = 2
 """Each ASHA rung (after epoch 1, 2, 4, ...) keeps the better half of the trials that reached
 it: a sweep of a handful of trials still stops some (Tune's default, 4, keeps a quarter)."""
-BEST_JOB_ARTIFACT = "best_job.yaml"
 TRIAL_ACTOR_MEMORY = 256 * 2**20
 """Bytes each trial's Tune actor asks the scheduler for (it drives the trial's training)."""
-FLAG_OF_FIELD = {row.field: row.flag for row in OVERRIDES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +347,14 @@ def _finish(
         raise RayappError(f"the best trial {trial_id} has no MLflow run under {parent}")
     config = {name: best.config[name] for name in plan.fields}
     best_spec = build_spec(plan.document, config)
-    submit_line = _submit_line(best_spec, config, options, tracking_uri, parent)
+    submit_line = best_submit_line(
+        best_spec,
+        config,
+        flag_overrides=options.flag_overrides,
+        job_file=options.job_file,
+        tracking_uri=tracking_uri,
+        parent=parent,
+    )
     tag_best(
         tracking_uri,
         parent,
@@ -381,42 +381,3 @@ def _finish(
 def _trial_error(results: Any) -> str:
     errors = [str(error).strip().splitlines() for error in results.errors]
     return next((lines[-1] for lines in errors if lines), "no error recorded")
-
-
-def _submit_line(
-    best_spec: JobSpec,
-    config: Mapping[str, Any],
-    options: TuneOptions,
-    tracking_uri: str,
-    parent: str,
-) -> str:
-    """`rayapp submit` of the best configuration: the job file with flags when every value has
-    one, else a job file written with the values (beside the job's, so its code still imports),
-    which is also logged on the parent as best_job.yaml."""
-    from mlflow.tracking import MlflowClient
-
-    document = spec_document(best_spec)
-    with tempfile.TemporaryDirectory() as directory:
-        best_yaml = Path(directory) / BEST_JOB_ARTIFACT
-        best_yaml.write_text(yaml.safe_dump(document, sort_keys=False))
-        MlflowClient(tracking_uri).log_artifact(parent, str(best_yaml))
-    values = {
-        **{k: v for k, v in options.flag_overrides.items() if v is not None},
-        "cluster.nodes": best_spec.cluster.nodes,
-        **config,
-    }
-    if options.job_file and all(name in FLAG_OF_FIELD for name in values):
-        words = ["rayapp", "submit", options.job_file]
-        for name, value in values.items():
-            words += [FLAG_OF_FIELD[name], _flag_text(value)]
-        return shlex.join(words)
-    folder = Path(options.job_file).parent if options.job_file else Path.cwd()
-    path = folder / f"{best_spec.name}-best-{parent[:8]}.yaml"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return shlex.join(["rayapp", "submit", str(path)])
-
-
-def _flag_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)

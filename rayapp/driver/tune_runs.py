@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import yaml
 from ray.tune import Callback
 
 from rayapp.driver.tune_trial import TAG_STOPPED_BY, find_trial_run, trial_runs
+from rayapp.spec import JobSpec
+from rayapp.spec.loader import spec_document
+from rayapp.spec.overrides import OVERRIDES
 from rayapp.tracking.run import TAG_EARLY_STOPPED, close_run
 
 LOG = logging.getLogger("rayapp.tune")
@@ -25,6 +32,8 @@ TAG_BEST_RUN = "rayapp.tune.best_run_id"
 TAG_BEST_TRIAL = "rayapp.tune.best_trial_id"
 TAG_BEST_CONFIG = "rayapp.tune.best_config"
 TAG_BEST_SUBMIT = "rayapp.tune.best_submit"
+BEST_JOB_ARTIFACT = "best_job.yaml"
+FLAG_OF_FIELD = {row.field: row.flag for row in OVERRIDES}
 
 
 class TrialRunCallback(Callback):
@@ -131,3 +140,44 @@ def tag_best(
     client.set_tag(parent_run_id, TAG_BEST_SUBMIT, submit_line)
     client.log_metric(parent_run_id, f"best_{metric}", float(value))
     client.set_tag(run_id, TAG_BEST, "true")
+
+
+def best_submit_line(
+    best_spec: JobSpec,
+    config: Mapping[str, Any],
+    *,
+    flag_overrides: Mapping[str, Any],
+    job_file: str | None,
+    tracking_uri: str,
+    parent: str,
+) -> str:
+    """`rayapp submit` of the best configuration: the job file with flags when every value has
+    one, else a job file written with the values (beside the job's, so its code still imports),
+    which is also logged on the parent as best_job.yaml."""
+    from mlflow.tracking import MlflowClient
+
+    document = spec_document(best_spec)
+    with tempfile.TemporaryDirectory() as directory:
+        best_yaml = Path(directory) / BEST_JOB_ARTIFACT
+        best_yaml.write_text(yaml.safe_dump(document, sort_keys=False))
+        MlflowClient(tracking_uri).log_artifact(parent, str(best_yaml))
+    values = {
+        **{k: v for k, v in flag_overrides.items() if v is not None},
+        "cluster.nodes": best_spec.cluster.nodes,
+        **config,
+    }
+    if job_file and all(name in FLAG_OF_FIELD for name in values):
+        words = ["rayapp", "submit", job_file]
+        for name, value in values.items():
+            words += [FLAG_OF_FIELD[name], _flag_text(value)]
+        return shlex.join(words)
+    folder = Path(job_file).parent if job_file else Path.cwd()
+    path = folder / f"{best_spec.name}-best-{parent[:8]}.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return shlex.join(["rayapp", "submit", str(path)])
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
