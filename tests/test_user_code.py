@@ -179,6 +179,29 @@ def test_a_job_files_script_is_found_beside_the_job_file(tmp_path, monkeypatch):
     assert Path(runtime_env["working_dir"]) == tmp_path / "code"
 
 
+def test_inside_a_ray_job_the_code_that_came_with_it_is_not_uploaded_again(tmp_path, monkeypatch):
+    """A `rayapp submit --address` job's driver runs in the working_dir the job brought; a second
+    working_dir given to ray.init there makes Ray refuse to merge the two runtime_envs."""
+    import json
+
+    from rayapp.driver.submit import prepare_user_code
+    from rayapp.spec.loader import load_spec
+
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("name: s\ntrain: {script: train.py}\n")
+    shown: list[str] = []
+    job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}, "metadata": {}}
+    monkeypatch.setenv(working_dir.JOB_CONFIG_ENV, json.dumps(job_config))
+    spec, runtime_env = prepare_user_code(load_spec(job), str(job), shown.append)
+    assert runtime_env is None and spec.train.script == "train.py"
+    assert shown == [f"your code came with the Ray job, in {tmp_path}"]
+    # A job that brought no working_dir (code a driver uploads itself) still uploads it.
+    monkeypatch.setenv(working_dir.JOB_CONFIG_ENV, json.dumps({"runtime_env": {}}))
+    uploaded = prepare_user_code(load_spec(job), str(job), shown.append)[1]
+    assert Path(uploaded["working_dir"]) == tmp_path
+
+
 def test_large_files_are_left_out_of_the_upload_and_named(tmp_path):
     (tmp_path / "train.py").write_text("print('hi')\n")
     with open(tmp_path / "weights.bin", "wb") as handle:  # sparse: takes no disk

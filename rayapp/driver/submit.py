@@ -219,6 +219,9 @@ def prepare_user_code(
     check_user_code(spec, code_dir)
     if code_dir is None:
         return spec, None
+    if working_dir.came_with_the_ray_job():
+        status(f"your code came with the Ray job, in {code_dir}")
+        return spec, None
     upload = working_dir.plan(code_dir)
     for relative, size in upload.large_files:
         status(

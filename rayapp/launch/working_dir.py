@@ -10,6 +10,7 @@ what that leaves, and whether it fits under Ray's upload limit.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,21 @@ class WorkingDir:
 
     def runtime_env(self) -> dict:
         return {"working_dir": self.path, "excludes": list(self.excludes)}
+
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor for a job's driver: the job's runtime_env and metadata, as JSON."""
+
+
+def came_with_the_ray_job() -> bool:
+    """Whether this process is the driver of a Ray job that brought a working_dir (a `rayapp
+    submit --address` job): the workers get that one from the job, and a second one given to
+    ray.init would conflict with it (Ray refuses to merge the two)."""
+    try:
+        job_config = json.loads(os.environ.get(JOB_CONFIG_ENV, "{}"))
+    except ValueError:
+        return False
+    return bool((job_config.get("runtime_env") or {}).get("working_dir"))
 
 
 def names_user_code(spec: JobSpec) -> bool:

@@ -50,6 +50,8 @@ TAG_PEAK_TFLOPS_SOURCE = "rayapp.peak_tflops_source"
 """Where the run's peak_tflops came from: ``table:<GPU> <precision>`` or ``measured:matmul``."""
 TAG_EARLY_STOPPED = "rayapp.early_stopped"
 """Set ("true") when the job's loop stopped before its last epoch (``break`` or ``ctx.stop()``)."""
+TAG_RESUMED_FROM_EPOCH = "rayapp.resumed_from_epoch"
+"""The epoch of the checkpoint the latest attempt resumed from (absent: it started afresh)."""
 TAG_PARENT = "mlflow.parentRunId"
 EPOCH_MARKER_METRIC = "epoch_time_s"
 """Logged for every epoch by every loop, built-in or the user's: its steps say which epochs a run

@@ -15,7 +15,13 @@ from torch.utils.data import DistributedSampler
 
 from rayapp.spec import JobSpec
 from rayapp.tracking.logger import NullLogger
-from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_NODE_IDS, TAG_NODE_IPS
+from rayapp.tracking.run import (
+    TAG_ATTEMPTS,
+    TAG_EARLY_STOPPED,
+    TAG_NODE_IDS,
+    TAG_NODE_IPS,
+    TAG_RESUMED_FROM_EPOCH,
+)
 from rayapp.train import checkpoint, collectives, heartbeat, socket_ifname, system_metrics
 from rayapp.train.config import WorkerConfig
 from rayapp.train.efficiency import EpochEfficiency, step_to_count
@@ -106,6 +112,7 @@ class WorkerState:
             self._ledger = GoodputLedger.from_saved(saved.get("goodput"))
             start, self._history = saved["epoch"] + 1, saved["history"]
             self._last_epoch = saved["epoch"]
+            self.logger.set_tags({TAG_RESUMED_FROM_EPOCH: str(saved["epoch"])})
             if saved["stopped"]:  # the loop had stopped early there: nothing is left to train
                 start = self.spec.train.epochs
         self.begin_attempt()
