@@ -40,6 +40,11 @@ def state_dir(tmp_path, monkeypatch):
             warm.down()
 
 
+def driver_log(record: warm.WarmCluster) -> str:
+    path = warm.driver_log(record)
+    return f"\n--- {path}:\n" + (path.read_text()[-3000:] if path.exists() else "(none)")
+
+
 def node_tree(record: warm.WarmCluster) -> list[int]:
     pids = list(record.leaders)
     for leader in record.leaders:
@@ -85,7 +90,7 @@ def test_submits_reuse_the_warm_cluster_until_it_is_stopped(state_dir, tmp_path)
     assert (
         "running without the warm cluster's preloaded driver: RAY_DEDUP_LOGS set differently"
         in too_many.stderr
-    ), result.stdout + result.stderr  # `cluster up` says whether its preloaded driver started
+    ), result.stdout + result.stderr + driver_log(record)  # what the server served or declined
     assert "cluster.nodes: 3 is more than the warm cluster's 2 node(s)" in too_many.stderr
 
     driver = warm.preloaded_driver_socket()

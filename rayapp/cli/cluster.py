@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import click
 
@@ -81,11 +80,12 @@ def _start_preloaded_driver(record) -> None:
     from rayapp.launch.cluster import start_time
 
     socket_path = warm.driver_socket()
-    log_path = Path(record.log_dir) / "preloaded-driver.log"
+    log_path = warm.driver_log(record)
     _say("starting the preloaded driver (torch, Ray Train, MLflow imported once for every submit)")
     pid = preloaded.start(socket_path, log_path, env=_ENVIRONMENT_AT_START)
     if preloaded.wait_ready(socket_path, pid):
         warm.attach_driver(record, pid)
+        _say(f"preloaded driver ready: process {pid} (log: {log_path})")
     else:
         warm.stop_driver({pid: start_time(pid) or ""})
         _say(f"the preloaded driver did not start (see {log_path}); submits will start their own")

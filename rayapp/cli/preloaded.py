@@ -162,6 +162,11 @@ def hand_over(argv: list[str], status: Callable[[str], None]) -> int | None:
     if "pid" not in first:  # declined, or the server is gone (stopped, crashed): run here
         if "refused" in first:
             status(f"running without the warm cluster's preloaded driver: {first['refused']}")
+        else:
+            status(
+                "running without the warm cluster's preloaded driver: it closed the connection "
+                "unanswered (its preloaded-driver.log is in `rayapp cluster status`'s logs)"
+            )
         forwarder.restore()  # a Ctrl-C that came meanwhile is raised here now
         return None
     child = first["pid"]

@@ -32,6 +32,7 @@ from rayapp.spec import SpecError
 
 STATE_DIR_ENV = "RAYAPP_STATE_DIR"
 STATE_FILE_NAME = "cluster.json"
+DRIVER_LOG_NAME = "preloaded-driver.log"
 DRIVER_SOCKET_NAME = "driver.sock"
 PRELOADED_DRIVER = False
 """True in a command that runs in a child of the warm cluster's preloaded driver."""
@@ -94,6 +95,11 @@ class WarmCluster:
 
 def driver_socket() -> Path:
     return state_file().with_name(DRIVER_SOCKET_NAME)
+
+
+def driver_log(record: WarmCluster) -> Path:
+    """Where the preloaded driver's server writes what it serves and declines."""
+    return Path(record.log_dir) / DRIVER_LOG_NAME
 
 
 def preloaded_driver_socket() -> Path | None:
