@@ -8,9 +8,11 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from conftest import migrated_store
 
 from rayapp.cli import main
-from rayapp.reports.compare import load_summaries, render
+from rayapp.reports.compare import load_summaries
+from rayapp.reports.compare_table import render
 from rayapp.reports.plot import scaling_plot
 from rayapp.tracking.logger import RunLogger
 from rayapp.tracking.run import close_run, open_run
@@ -69,7 +71,7 @@ def epochs(time_s: float, samples_per_s: float, comm_s: float, n: int = 4) -> li
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     ids = {
         "strong1": log_run(
             uri, job="mlp", world=1, scaling="strong", epochs=epochs(2.0, 1000.0, 0.0)
@@ -103,7 +105,7 @@ def test_speedup_efficiency_and_ideals(store):
     assert strong[4].article_epoch_s == pytest.approx(0.5)
     assert strong[2].comm_share == pytest.approx(0.2)
     assert strong[1].peak_mem_mb == 120.0
-    assert strong[4].param_mb_per_rank == pytest.approx(1.0)
+    assert strong[4].param_bytes_per_rank == pytest.approx(2**20)
 
     weak = by_world(summaries, "seed")  # its own group: baseline is seed at world 1, not mlp
     assert weak[2].speedup == pytest.approx(1.6)

@@ -10,11 +10,13 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from conftest import migrated_store
 from mlflow.tracking import MlflowClient
 from test_compare import log_run
 
 from rayapp.cli import main
-from rayapp.reports.compare import load_summaries, render
+from rayapp.reports.compare import load_summaries
+from rayapp.reports.compare_table import render
 from rayapp.reports.plot import (
     BREAKDOWN_TITLE,
     GOODPUT_TITLE,
@@ -82,7 +84,7 @@ def log_extras(uri: str, run_id: str, once: dict[str, float], cpu: dict[str, lis
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     ddp1 = log_run(
         uri, job="mlp", world=1, scaling="strong", epochs=timed_epochs(2.0, 1.6, 0.0, 0.2)
     )

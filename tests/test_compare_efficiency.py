@@ -9,11 +9,13 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from conftest import migrated_store
 from mlflow.tracking import MlflowClient
 from test_compare import log_run
 
 from rayapp.cli import main
-from rayapp.reports.compare import load_summaries, render
+from rayapp.reports.compare import load_summaries
+from rayapp.reports.compare_table import render
 from rayapp.tracking.run import TAG_NODE_IPS, TAG_PEAK_TFLOPS_SOURCE
 
 
@@ -43,7 +45,7 @@ def epochs(world: int, slow_rank: int | None, mfu: float, n: int = 4) -> list[di
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     ids = {}
     for world, slow_rank, mfu in [(1, None, 0.40), (2, 1, 0.35), (4, 2, 0.30)]:
@@ -97,7 +99,7 @@ def test_the_columns_in_every_format(store):
 
 def test_runs_without_the_figures_show_dashes(tmp_path):
     # Runs logged before these metrics existed: compare still works and says "not measured".
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     log_run(uri, job="old", world=2, scaling="strong", epochs=[{"epoch_time_s": 1.0}] * 2)
     (summary,) = load_summaries(uri, experiment="cmp")
     assert math.isnan(summary.mfu) and summary.straggler == "-"

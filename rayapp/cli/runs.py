@@ -127,7 +127,8 @@ def compare(
       rayapp compare --parent <sweep parent run id> --plot scaling.png
       rayapp compare --parent <grid parent run id> --plot grid.png
     """
-    from rayapp.reports.compare import load_summaries, render
+    from rayapp.reports.compare import load_summaries
+    from rayapp.reports.compare_table import render
     from rayapp.reports.grid import axes_of, grid_plot, load_grid_runs, render_grid
     from rayapp.tracking.run import resolve_tracking_uri
 

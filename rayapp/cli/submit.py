@@ -225,7 +225,7 @@ def bench(
     from rayapp.driver.grid import expand
     from rayapp.driver.submit import SubmitOptions
     from rayapp.driver.sweep import run_grid
-    from rayapp.reports.compare import render
+    from rayapp.reports.compare_table import render
     from rayapp.reports.grid import render_grid
 
     axes = grid_from_options(grid_axes, node_list)

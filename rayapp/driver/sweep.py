@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rayapp.driver.grid import GridPoint, field_of
 from rayapp.driver.submit import SubmitOptions, SubmitResult, submit
-from rayapp.reports.compare import RunSummary, load_summaries, render
+from rayapp.reports.compare import load_summaries
+from rayapp.reports.compare_table import render
 from rayapp.reports.grid import (
     TAG_GRID_AXES,
     GridRun,
@@ -23,6 +24,7 @@ from rayapp.reports.grid import (
     render_grid,
 )
 from rayapp.reports.plot import scaling_plot, time_breakdown_plot
+from rayapp.reports.run_summary import RunSummary
 from rayapp.spec import JobSpec, SpecError
 from rayapp.tracking.run import close_run, environment_tags, open_run, resolve_tracking_uri
 

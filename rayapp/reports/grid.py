@@ -37,10 +37,16 @@ METRICS: dict[str, str] = {
     "loss": "min",
     "test_accuracy": "max",
     "test_loss": "min",
+    "peak_mem_mb": "min",
+    "param_bytes_per_rank": "min",
+    "comm_bytes_per_step": "min",
 }
 """What a point is judged by, and which way is better: median steady throughput and epoch time
-(first epoch excluded, as in the scaling table), and the last epoch's loss and test figure."""
-STEADY = ("samples_per_s", "epoch_time_s")
+(first epoch excluded, as in the scaling table), the last epoch's loss and test figure, and what
+the point costs each rank: its peak memory (the highest epoch's), the parameters it holds, and the
+bytes one step's collectives move (median steady epoch), as rank 0 logged them."""
+STEADY = ("samples_per_s", "epoch_time_s", "comm_bytes_per_step")
+PEAK = ("peak_mem_mb",)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ def grid_run(client: MlflowClient, run: Run) -> GridRun | None:
     for name in METRICS:
         if name in STEADY:
             value = steady_median(epoch_values(client, run.info.run_id, name))
+        elif name in PEAK:
+            value = max(epoch_values(client, run.info.run_id, name), default=None)
         else:
             value = run.data.metrics.get(name)
         if value is not None and not math.isnan(value):

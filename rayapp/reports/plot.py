@@ -15,7 +15,7 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from rayapp.reports.compare import RunSummary
+from rayapp.reports.run_summary import RunSummary
 
 SCALING_TITLES = ("Throughput", "Scaling efficiency")
 BREAKDOWN_TITLE = "Where the time goes (median steady epoch)"
