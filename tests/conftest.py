@@ -55,8 +55,30 @@ def run_rayapp(
     )
 
 
+_STORE_TEMPLATE: list[Path] = []
+
+
+def migrated_store(path: Path) -> str:
+    """The URI of a new SQLite MLflow store at `path`, empty but with its schema in place: a copy
+    of one made once per test session. A new database runs all of MLflow's migrations, which
+    takes seconds each time; the copy is the same database, made in milliseconds."""
+    import shutil
+
+    if not _STORE_TEMPLATE:
+        from mlflow.tracking import MlflowClient
+
+        template = Path(tempfile.mkdtemp(prefix="rayapp-test-store-")) / "mlflow.db"
+        MlflowClient(f"sqlite:///{template}").search_experiments()  # creates and migrates it
+        _STORE_TEMPLATE.append(template)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_STORE_TEMPLATE[0], path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
+    """A run's directory, holding the store rayapp uses by default (./mlflow.db), already made."""
+    migrated_store(tmp_path / "mlflow.db")
     return tmp_path
 
 

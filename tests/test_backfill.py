@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import migrated_store
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
@@ -19,7 +20,7 @@ def epoch_metrics(epoch: int) -> dict[str, float]:
 
 @pytest.fixture
 def run(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     run_id = open_run(tracking_uri=uri, experiment="backfill", run_name="r", params={}, tags={})
     client = MlflowClient(uri)
     # epochs 0 and 1 reached MLflow before the job stopped

@@ -7,7 +7,7 @@ import math
 
 import pytest
 from click.testing import CliRunner
-from conftest import JOBS
+from conftest import JOBS, migrated_store
 
 from rayapp.cli.app import main
 from rayapp.cli.submit import grid_from_options, spec_from_flags
@@ -156,7 +156,7 @@ def grid_store(tmp_path):
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     experiment = client.create_experiment("rayapp")
     parent = client.create_run(experiment, tags={"rayapp.sweep": "true"}).info.run_id

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import JOBS
+from conftest import JOBS, migrated_store
 
 from rayapp.spec.loader import build_spec, load_spec
 from rayapp.train.config import WorkerConfig
@@ -35,7 +35,7 @@ def store(tmp_path, monkeypatch):
     import mlflow
 
     monkeypatch.chdir(tmp_path)  # mlflow's artifacts for a sqlite store land under ./mlartifacts
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     client = mlflow.MlflowClient(uri)
     experiment_id = client.create_experiment("export")
     run_id = client.create_run(experiment_id).info.run_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import migrated_store
 from mlflow.tracking import MlflowClient
 
 from rayapp.tracking.logger import RunLogger
@@ -20,7 +21,7 @@ from rayapp.tracking.run import EPOCH_METRICS, WRITE_COST_METRICS, open_run
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     return uri, open_run(
         tracking_uri=uri, experiment="outbox", run_name="paced", params={}, tags={}
     )

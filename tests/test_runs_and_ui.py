@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 from click.testing import CliRunner
+from conftest import migrated_store
 
 from rayapp.cli import main
 from rayapp.launch.cluster import free_port
@@ -35,7 +36,7 @@ def logged_run(uri: str) -> str:
 
 
 def test_runs_table(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     run_id = logged_run(uri)
     result = CliRunner().invoke(main, ["runs", "--tracking-uri", uri], terminal_width=200)
     assert result.exit_code == 0, result.output
@@ -48,7 +49,7 @@ def test_runs_table(tmp_path):
 
 
 def test_ui_serves_the_store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     logged_run(uri)
     port = free_port()
     process = subprocess.Popen(

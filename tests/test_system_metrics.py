@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import MlflowServer
+from conftest import MlflowServer, migrated_store
 from mlflow.tracking import MlflowClient
 
 from rayapp.train import system_metrics
@@ -40,7 +40,7 @@ print(time.monotonic() - started)
 
 
 def test_a_node_whose_work_ends_within_one_interval_still_logs_a_sample(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     run_id = new_run(uri)
     done = subprocess.run(
         [sys.executable, "-c", SHORT_RUN, run_id, uri, NODE],
