@@ -10,7 +10,7 @@ from conftest import JOBS, mlflow_client, run_rayapp
 
 from rayapp.cli.app import main
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_grid_of_nodes_and_strategies(workdir, warm_cluster):

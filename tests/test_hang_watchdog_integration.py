@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import alive, descendants, mlflow_client, only_run, start_rayapp, wait_for_line
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HANG_TIMEOUT_S = 20
 LOOP = """

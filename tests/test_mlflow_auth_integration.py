@@ -11,7 +11,7 @@ from conftest import JOBS, MlflowServer, run_rayapp
 
 from rayapp.launch import warm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PASSWORD = "s3cret-Admin-pw-7f2c"  # distinctive, so a grep finds it wherever it leaks
 

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from rayapp.tracking.outbox import GRACE_ENV
 from rayapp.tracking.run import EPOCH_METRICS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 EPOCHS = 8
 

@@ -28,7 +28,7 @@ from conftest import (
 from rayapp.spec.loader import load_spec
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 JOB = JOBS / "mlp_pipeline.yaml"
 EPOCHS = 3

@@ -27,7 +27,7 @@ from rayapp.tracking.backfill import newest_history
 from rayapp.tracking.goodput import MEASURED_PARTS, PARTS
 from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_cluster):

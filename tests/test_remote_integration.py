@@ -25,7 +25,7 @@ from conftest import JOBS
 from rayapp.launch.cluster import EmbeddedCluster, free_port
 from rayapp.tracking.run import TAG_NODE_IDS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 START_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 420

@@ -18,7 +18,7 @@ from conftest import JOBS, cmdline, descendants, run_rayapp
 
 from rayapp.launch import warm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 JOBS_IN_A_ROW = int(os.environ.get("RAYAPP_SOAK_JOBS", "5"))
 # Long-lived Ray processes whose descriptors grow with finished jobs by Ray's own design, counted
 # apart: the log monitor keeps finished workers' log files open up to RAY_LOG_MONITOR_MAX_OPEN_FILES

@@ -19,7 +19,7 @@ from conftest import JOBS, mlflow_client, run_rayapp
 from rayapp.reports.compare import load_summaries
 from rayapp.tracking.run import TAG_NODE_IPS, TAG_PEAK_TFLOPS_SOURCE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 EPOCHS = 3
 

@@ -115,6 +115,7 @@ def test_seed_linear_on_two_nodes(workdir):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+@pytest.mark.slow
 def test_digits_learns_real_data_with_two_workers_on_one_node(workdir):
     result = run_rayapp(
         "submit",

@@ -60,6 +60,7 @@ def test_a_node_whose_work_ends_within_one_interval_still_logs_a_sample(tmp_path
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_samples_taken_while_the_server_is_down_are_written_when_it_is_back(tmp_path):
     server = MlflowServer(tmp_path).start()
     try:

@@ -29,7 +29,7 @@ from conftest import JOBS, mlflow_client, run_rayapp
 
 from rayapp.launch.cluster import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DEBIAN_CHROMIUM = (
     "/usr/bin/chromium"  # apt-get install chromium; else whichever chromium is on PATH

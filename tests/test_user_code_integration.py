@@ -29,7 +29,7 @@ from rayapp.tracking.backfill import read_history
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_EARLY_STOPPED, TAG_RANK_EXIT_CODES
 from rayapp.train.checkpoint import STOPPED_MARKER
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 EXAMPLES = REPO / "examples"
 
 

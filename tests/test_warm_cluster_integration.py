@@ -24,7 +24,7 @@ from conftest import (
 from rayapp.launch import warm
 from rayapp.launch.cluster import start_time
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
