@@ -80,6 +80,8 @@ def test_killed_worker_resumes_from_checkpoint_in_the_same_run(workdir, warm_clu
     # Start-up runs to the first step: past the cluster's and the workers' own start-up figures.
     started_up = metrics["startup_cluster_s"] + metrics["startup_workers_s"]
     assert started_up < metrics["goodput_startup_s"] < wall
+    # ...and is in the run even when the killed attempt's writer never sent it
+    assert metrics["time_to_first_step_s"] == pytest.approx(metrics["goodput_startup_s"])
     assert metrics["goodput_compute_s"] > 0 and metrics["goodput_checkpoint_s"] > 0
     assert metrics["goodput"] == pytest.approx(metrics["goodput_compute_s"] / wall)
 

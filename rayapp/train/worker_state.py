@@ -183,8 +183,15 @@ class WorkerState:
             resumed=self._resumed,
             startup_s=startup_s,
         )
-        if self._attempt == 1:
+        if self._attempt == 1 or self._startup_lost_with_the_first_attempt():
             self.logger.log_metrics({"time_to_first_step_s": self._ledger.startup_s})
+
+    def _startup_lost_with_the_first_attempt(self) -> bool:
+        """The first attempt measured its start-up, but its workers were killed before their
+        writer sent it: the checkpoint's ledger still has it, the run does not."""
+        return math.isfinite(self._ledger.startup_s) and math.isnan(
+            self.logger.run_metric("time_to_first_step_s")
+        )
 
     def close(self) -> None:
         """Stop what the context started on this worker (the node's system-metrics sampler)."""
