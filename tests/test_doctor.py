@@ -53,3 +53,17 @@ def test_failed_pairs_are_left_out_of_the_yardstick():
         pair("b", "c", mb_s=100),
     ]
     assert slow_pairs(pairs) == {("b", "c")}
+
+
+def test_a_failed_pairs_error_is_shown_as_text_not_read_as_markup():
+    from rich.console import Console
+
+    from rayapp.cli.doctor import pairs_table
+    from rayapp.launch.doctor import Diagnosis
+
+    # Gloo's errors quote its source file in brackets, which rich would take for a closing tag.
+    error = "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out"
+    diagnosis = Diagnosis(nodes=[], pairs=[PairResult(("a", "b"), "gloo", error=error)])
+    console = Console(record=True, width=400)
+    console.print(pairs_table(diagnosis))
+    assert "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152]" in console.export_text()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rayapp.cli.common import CONTEXT_SETTINGS, friendly_errors, quiet_library_logs
@@ -78,10 +79,12 @@ def doctor(quick: bool, verbose: bool, **flags: Any) -> None:
     if diagnosis.pairs:
         console.print(pairs_table(diagnosis))
     for problem in diagnosis.problems:
-        console.print(f"[red]problem:[/red] {problem}", markup=True)
+        console.print(f"[red]problem:[/red] {escape(problem)}")
     for pair in diagnosis.pairs:
         if pair.error:
-            console.print(f"[red]failed:[/red] all-reduce {' - '.join(pair.nodes)}: {pair.error}")
+            console.print(
+                f"[red]failed:[/red] all-reduce {' - '.join(pair.nodes)}: {escape(pair.error)}"
+            )
     for node in sorted(diagnosis.slow_nodes):
         console.print(f"[yellow]slow node:[/yellow] {node}: every pair with it is far below")
     if diagnosis.failed:
@@ -118,9 +121,8 @@ def nodes_table(diagnosis: Diagnosis) -> Table:
         packages = facts.report.packages
         answer = facts.report.tracking
         if answer is not None:  # a tracking server: what it answered this node
-            mlflow = (
-                f"HTTP {answer.status}" if answer.status else f"[red]no: {answer.failure}[/red]"
-            )
+            failure = escape(str(answer.failure))
+            mlflow = f"HTTP {answer.status}" if answer.status else f"[red]no: {failure}[/red]"
         else:  # a file store: whether this node sees the driver's marker beside it
             mlflow = _reach(facts, diagnosis.store_dir).replace("object store", "-")
         gpus = ", ".join(facts.gpus) if facts.gpus else "-"
@@ -149,7 +151,9 @@ def pairs_table(diagnosis: Diagnosis) -> Table:
     for pair in diagnosis.pairs:
         name = " - ".join(pair.nodes)
         if pair.error is not None:
-            table.add_row(name, "-", "-", f"[red]failed: {pair.error}[/red]")
+            # Errors quote Gloo's and NCCL's sources ("[/…/gloo/transport/tcp/pair.cc:152]"),
+            # which rich would read as markup.
+            table.add_row(name, "-", "-", f"[red]failed: {escape(pair.error)}[/red]")
             continue
         flag = (
             "[yellow]slow: far below the others[/yellow]"
