@@ -1,6 +1,7 @@
 """hsdp, tp and fsdp+tp without Ray: the spec's checks, the tensor-parallel plans, the collective
 byte count, and real 4-rank Gloo process groups on a (replicate=2, shard=2) mesh, where each
-strategy trains to ddp's weights and an hsdp checkpoint resumes on a mesh of another shape."""
+strategy trains to ddp's weights, with and without gradient clipping, and an hsdp checkpoint
+resumes on a mesh of another shape."""
 
 from __future__ import annotations
 
@@ -131,9 +132,18 @@ def spec_for(strategy: str, nodes: int = 2):
     )
 
 
-def train(strategy: str, rank: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """STEPS Adam steps on a fixed global batch of 16, each rank on its data-parallel share;
-    returns the model, optimizer and the last step's collective bytes."""
+CLIP = 0.05
+"""A gradient-norm limit the test's steps exceed (their norms are near 1), so clipping changes
+them."""
+
+
+def train(
+    strategy: str, rank: int, mesh, clip: float | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """STEPS Adam steps on a fixed global batch of 16, each rank on its data-parallel share, the
+    gradients' global norm clipped to `clip` (train.grad_clip) if given; returns the model,
+    optimizer and the last step's collective bytes."""
+    from rayapp.train.stepping import clip_grad_norm
     from rayapp.train.strategies import apply_strategy
 
     spec = spec_for(strategy)
@@ -150,6 +160,8 @@ def train(strategy: str, rank: int, mesh) -> tuple[nn.Module, torch.optim.Optimi
             rows = slice(share * size, (share + 1) * size)
             loss = nn.functional.mse_loss(model(inputs[rows]), targets[rows])
             loss.backward()
+            if clip is not None:
+                clip_grad_norm(list(model.parameters()), clip)
             optimizer.step()
             optimizer.zero_grad()
     return model, optimizer, counter.total
@@ -177,6 +189,12 @@ def group(rank: int, world: int, port: int, out: dict, directory: str) -> None:
                     out[strategy], out[f"{strategy}_bytes"] = state, sent
                 if strategy == "hsdp":
                     save(spec_for("hsdp"), directory, model, optimizer, {}, rank=rank)
+            # Clipped: under tp and fsdp+tp the gradients are DTensors on two meshes (the split
+            # layers on the 2-D mesh, the last, whole one on its replicate dim alone).
+            for strategy in ("ddp", "hsdp", "tp", "fsdp+tp"):
+                state = full_state(train(strategy, rank, mesh, clip=CLIP)[0])
+                if rank == 0:
+                    out[f"{strategy}_clipped"] = state
         else:  # the hsdp checkpoint of a 2 x 2 mesh, resumed on a 1 x 2 one
             from rayapp.train.strategies import apply_strategy
 
@@ -207,6 +225,13 @@ def test_mesh_strategies_train_to_ddps_weights_and_hsdp_resumes_on_another_shape
         for key, value in reference.items():
             torch.testing.assert_close(out[strategy][key], value, msg=f"{strategy} drifts: {key}")
     assert out["resumed_steps"] and all(step == STEPS for step in out["resumed_steps"])
+    clipped = out["ddp_clipped"]
+    assert not torch.allclose(clipped["0.weight"], reference["0.weight"])  # the clip bites
+    for strategy in ("hsdp", "tp", "fsdp+tp"):
+        for key, value in clipped.items():
+            torch.testing.assert_close(
+                out[f"{strategy}_clipped"][key], value, msg=f"{strategy} clips otherwise: {key}"
+            )
     # ddp all-reduces each gradient once: the model's 4-byte parameters, counted from the
     # collective; hsdp adds its all-gathers and reduce-scatters.
     parameters = sum(p.numel() for p in mlp().parameters())

@@ -60,7 +60,7 @@ class Stepper:
             self._scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if self.spec.train.grad_clip is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.spec.train.grad_clip)
+            clip_grad_norm(params, self.spec.train.grad_clip)
         if self._scaler is not None:
             self._scaler.step(optimizer)
             self._scaler.update()
@@ -103,6 +103,32 @@ class Stepper:
         if self._last_loss is not None:
             metrics["step_loss"] = self._last_loss.item()
         self.logger.log_metrics(metrics, step=self.global_step)
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`; returns that norm.
+
+    torch's clip_grad_norm_ stacks the per-parameter norms, which DTensors on different meshes
+    refuse: under tp and fsdp+tp the split layers live on the 2-D mesh and a layer the plan
+    leaves whole on its ``replicate`` dim alone. So the norm is taken per mesh (a DTensor norm,
+    made whole with full_tensor: the shards' sums of squares added over their ranks), the meshes'
+    norms combine into one, and each mesh's gradients are scaled by it."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for parameter in parameters:
+        if parameter.grad is not None:
+            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(parameter)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 @contextlib.contextmanager
