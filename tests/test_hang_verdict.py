@@ -172,6 +172,29 @@ def test_beats_note_when_each_rank_last_moved_and_forget_an_old_worker_group():
     assert list(beats.snapshot()) == [0] and beats.snapshot()[0]["idle_s"] == 0.0
 
 
+def test_a_rank_whose_heartbeat_stopped_is_silent_one_that_waits_is_not():
+    from rayapp.driver.watchdog import Beats, silent_ranks
+
+    clock = [100.0]
+    beats = Beats(clock=lambda: clock[0])
+    for rank in (0, 1):
+        beats.beat({"rank": rank, "token": "a", "marks": 5})
+    clock[0] = 125.0
+    beats.beat({"rank": 0, "token": "a", "marks": 5})  # waits in a collective, still beating
+    snapshot = beats.snapshot()  # rank 1: cut off since 100
+    assert {r: (s["idle_s"], s["silent_s"]) for r, s in snapshot.items()} == {
+        0: (25.0, 0.0),
+        1: (25.0, 25.0),
+    }
+    assert silent_ranks(snapshot, heartbeat_s=2.5) == {1}
+    assert silent_ranks(snapshot, heartbeat_s=10.0) == set()  # 25 s is under 3 beats of 10 s
+    verdict = judge(
+        {0: 'Thread 7 (idle): "TrainingThread(f)"\n    all_reduce (/x/torch/distributed/c.py:9)\n'},
+        {0: {"thread_id": 7, "node_ip": "a"}, 1: {"node_ip": "b", "no_stack": "cut off"}},
+    )
+    assert verdict.hung_ranks == (1,) and verdict.where[1] == "cut off"
+
+
 TIMING_OUT = """
 import sys, time
 from datetime import timedelta

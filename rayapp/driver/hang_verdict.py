@@ -172,13 +172,15 @@ class Verdict:
 
 def judge(stacks: Mapping[int, str], ranks: Mapping[int, Mapping[str, Any]]) -> Verdict:
     """Compare every rank's training thread. `stacks`: rank -> dump text ("" when none was
-    read); `ranks`: rank -> its heartbeat report (node_ip, thread ids)."""
+    read); `ranks`: rank -> its heartbeat report (node_ip, thread ids, and ``no_stack``: why
+    none was read, where that is known)."""
     where: dict[int, str] = {}
     collectives: dict[int, str | None] = {}
     for rank in sorted(ranks):
         thread = training_thread(parse_threads(stacks.get(rank, "")), ranks[rank])
         if thread is None or not thread.frames:
-            where[rank], collectives[rank] = "no stack: its process or node is gone", None
+            reason = ranks[rank].get("no_stack") or "no stack: its process or node is gone"
+            where[rank], collectives[rank] = reason, None
             continue
         collective = waiting_in(thread)
         collectives[rank] = collective

@@ -6,12 +6,14 @@ when each rank's count last moved, on its own clock (the nodes' clocks need not 
 in the driver reads those notes; when no rank has moved for the hang timeout, it
 
 1. reads every rank's Python stack on the rank's node (:mod:`rayapp.driver.stacks`) and logs it
-   to the MLflow run as ``hang/rank<N>.txt``;
+   to the MLflow run as ``hang/rank<N>.txt``; a rank whose heartbeat has stopped as well (its
+   process or node gone, or cut off from the network) is not waited for: no task reaches it;
 2. names the ranks and nodes outside the collective the others wait in
    (:mod:`rayapp.driver.hang_verdict`), tags the run ``rayapp.failure=hang`` and
    ``rayapp.hung_ranks``, and says so at the terminal;
-3. kills every rank's process, so Ray Train restarts the workers from the last checkpoint while
-   ``max_failures`` allows, or the run fails with :meth:`HangWatch.failure_line`.
+3. kills every rank's process it can reach, so Ray Train restarts the workers from the last
+   checkpoint while ``max_failures`` allows, or the run fails with
+   :meth:`HangWatch.failure_line`.
 
 The hang timeout (``train.hang_timeout_s``, ``--hang-timeout``): 0 turns the watchdog off; unset,
 it is 600 s until some rank has finished an epoch, then 10 times the longest pause between two
@@ -38,6 +40,10 @@ SIZED_FACTOR = 10.0
 SIZED_FLOOR_S = 300.0
 POLL_S = 2.0
 MAX_HEARTBEAT_S = 5.0
+SILENT_BEATS = 3
+"""A rank that has sent no heartbeat for this many intervals (and at least SILENT_MIN_S) is
+silent: its process or node is gone or cut off, so no task would reach it."""
+SILENT_MIN_S = 10.0
 TAG_FAILURE = "rayapp.failure"
 TAG_HUNG_RANKS = "rayapp.hung_ranks"
 TAG_HUNG_NODES = "rayapp.hung_nodes"
@@ -64,40 +70,53 @@ def heartbeat_interval_s(configured: float | None) -> float:
     return min(MAX_HEARTBEAT_S, max(0.5, configured / 8))
 
 
+def silent_ranks(ranks: Mapping[int, Mapping[str, Any]], heartbeat_s: float) -> set[int]:
+    """The ranks whose heartbeats stopped arriving (a rank waiting in a collective still beats:
+    its heartbeat thread runs while the training thread waits)."""
+    limit = max(SILENT_MIN_S, SILENT_BEATS * heartbeat_s)
+    return {rank for rank, report in ranks.items() if report.get("silent_s", 0.0) >= limit}
+
+
 def is_hung(ranks: Mapping[int, Mapping[str, Any]], timeout_s: float) -> bool:
     """No rank has finished a step (or an epoch) for `timeout_s`."""
     return bool(ranks) and timeout_s > 0 and min(r["idle_s"] for r in ranks.values()) >= timeout_s
 
 
 class Beats:
-    """The actor the ranks' heartbeats go to: each rank's last report, and how long since its
-    count of steps last moved, on this actor's clock."""
+    """The actor the ranks' heartbeats go to: each rank's last report, how long since its count
+    of steps last moved and how long since it last beat at all, on this actor's clock."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._ranks: dict[int, dict[str, Any]] = {}
         self._moved_at: dict[int, float] = {}
+        self._beat_at: dict[int, float] = {}
 
     def beat(self, report: dict[str, Any]) -> None:
         rank, now = report["rank"], self._clock()
         previous = self._ranks.get(rank)
         if previous is not None and previous["token"] != report["token"]:
             # A new worker group (Ray Train restarted the workers): the old group's notes go.
-            self._ranks, self._moved_at = {}, {}
+            self.forget()
             previous = None
         if previous is None or previous["marks"] != report["marks"]:
             self._moved_at[rank] = now
+        self._beat_at[rank] = now
         self._ranks[rank] = report
 
     def snapshot(self) -> dict[int, dict[str, Any]]:
         now = self._clock()
         return {
-            rank: {**report, "idle_s": now - self._moved_at[rank]}
+            rank: {
+                **report,
+                "idle_s": now - self._moved_at[rank],
+                "silent_s": now - self._beat_at[rank],
+            }
             for rank, report in self._ranks.items()
         }
 
     def forget(self) -> None:
-        self._ranks, self._moved_at = {}, {}
+        self._ranks, self._moved_at, self._beat_at = {}, {}, {}
 
 
 class HangWatch:
@@ -171,19 +190,30 @@ class HangWatch:
         self._status(
             f"no rank finished a step for {self.timeout_s:.0f} s: reading every rank's stack"
         )
-        dumps = stacks.on_each_rank_node(stacks.dump_stack, ranks)
+        # A rank that stopped beating is not waited for (a task for it would wait out
+        # stacks.TASK_TIMEOUT_S, and the end of the hang with it): it is named for what it is.
+        silent = silent_ranks(ranks, self.heartbeat_s)
+        for rank in silent:
+            ranks[rank]["no_stack"] = (
+                f"no heartbeat for {ranks[rank]['silent_s']:.0f} s: its process or node is gone, "
+                "or cut off from the network"
+            )
+        reachable = {rank: report for rank, report in ranks.items() if rank not in silent}
+        dumps: dict[int, Any] = stacks.on_each_rank_node(stacks.dump_stack, reachable)
         texts = {
             rank: dump if isinstance(dump, str) else f"no stack read: {dump}\n"
             for rank, dump in dumps.items()
         }
-        verdict = judge({r: t for r, t in texts.items() if isinstance(dumps[r], str)}, ranks)
+        texts.update({rank: f"no stack read: {ranks[rank]['no_stack']}\n" for rank in silent})
+        verdict = judge({r: t for r, t in dumps.items() if isinstance(t, str)}, ranks)
         self.verdict = verdict
         self._record(texts, verdict)
         self._status(f"hang: {verdict.summary()}")
-        # Every rank, not only the culprits: Ray Train replaces the whole worker group anyway,
-        # and a rank left waiting in a collective would hold up its teardown (destroying its
-        # process group waits for the collective, up to Ray Train's 30 s shutdown timeout).
-        stacks.on_each_rank_node(stacks.kill_process, ranks)
+        # Every rank it can reach, not only the culprits: Ray Train replaces the whole worker
+        # group anyway, and a rank left waiting in a collective would hold up its teardown
+        # (destroying its process group waits for the collective, up to Ray Train's 30 s
+        # shutdown timeout).
+        stacks.on_each_rank_node(stacks.kill_process, reachable)
         # Wait for the next worker group (a restart) or the end; the old notes would read as hung.
         with contextlib.suppress(Exception):
             ray.get(self.actor.forget.remote(), timeout=30)
