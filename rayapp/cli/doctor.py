@@ -51,6 +51,7 @@ def doctor(quick: bool, verbose: bool, **flags: Any) -> None:
     from rayapp.driver.trainer import storage_path
     from rayapp.launch.doctor import diagnose
     from rayapp.tracking.run import credentials_from_env, resolve_tracking_uri
+    from rayapp.train.socket_ifname import pin_socket_interfaces
 
     if flags.get("nodes") is None:
         flags["nodes"] = 2
@@ -74,6 +75,8 @@ def doctor(quick: bool, verbose: bool, **flags: Any) -> None:
             credentials=credentials_from_env(),
             pairs=not quick,
             on_status=status,
+            # Gloo/NCCL on the interface holding each node's Ray address, as in training.
+            prepare_rank=pin_socket_interfaces,
         )
     console.print(nodes_table(diagnosis))
     if diagnosis.pairs:

@@ -7,6 +7,9 @@ reachable from there (the marker files and server question of :mod:`rayapp.launc
 Per pair of nodes: a two-rank process group (Gloo; NCCL when both nodes have GPUs) between two
 actors pinned to those nodes, which all-reduce one number (latency) and a 16 MiB buffer
 (bandwidth). The pairs run one after another, so they do not share the network while measured.
+Each actor first runs the caller's `prepare_rank` (the CLI passes rayapp.train.socket_ifname's
+pinning, as training workers do it, so Gloo does not rendezvous over the loopback address a
+host name resolves to on stock Debian/Ubuntu).
 
 A pair far below the others (less than half the median bandwidth of the other pairs, or more
 than twice their median latency and 1 ms more) is flagged, and so is a node all of whose pairs
@@ -20,7 +23,7 @@ import itertools
 import shutil
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +119,10 @@ def node_facts(
 
 class PairRank:
     """One end of a pair test: an actor on one node that joins two-rank process groups."""
+
+    def __init__(self, prepare: Callable[[], None] | None = None) -> None:
+        if prepare is not None:  # before any process group reads its environment
+            prepare()
 
     def address(self) -> tuple[str, int]:
         import socket
@@ -214,9 +221,10 @@ def diagnose(
     credentials: Mapping[str, str],
     pairs: bool = True,
     on_status: Any = None,
+    prepare_rank: Callable[[], None] | None = None,
 ) -> Diagnosis:
     """Check every alive node of the connected cluster; with `pairs`, all-reduce between each
-    pair of nodes too."""
+    pair of nodes too (`prepare_rank`: run in each pair's actor before its process group)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -256,13 +264,15 @@ def diagnose(
         if problem:
             diagnosis.problems.append(problem)
     if pairs and len(facts) > 1:
-        diagnosis.pairs = measure_pairs(facts, status)
+        diagnosis.pairs = measure_pairs(facts, status, prepare_rank)
         diagnosis.slow_pairs = slow_pairs(diagnosis.pairs)
         diagnosis.slow_nodes = slow_nodes(diagnosis.pairs, diagnosis.slow_pairs)
     return diagnosis
 
 
-def measure_pairs(facts: list[NodeFacts], status: Any) -> list[PairResult]:
+def measure_pairs(
+    facts: list[NodeFacts], status: Any, prepare_rank: Callable[[], None] | None = None
+) -> list[PairResult]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -275,7 +285,7 @@ def measure_pairs(facts: list[NodeFacts], status: Any) -> list[PairResult]:
 
     def start(ip: str) -> Any:
         strategy = NodeAffinitySchedulingStrategy(node_ids[ip], soft=False)
-        return actor.options(scheduling_strategy=strategy).remote()
+        return actor.options(scheduling_strategy=strategy).remote(prepare_rank)
 
     ranks = {ip: start(ip) for ip in sorted(node_ids)}
     results = []
