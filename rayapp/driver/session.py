@@ -70,12 +70,15 @@ def ray_cluster(
     verbose: bool,
     status: Callable[[str], None],
     runtime_env: dict | None = None,
+    state_api: bool = False,
 ) -> Iterator[ClusterSession]:
     """Connect to spec.cluster.address, else to the warm cluster (`rayapp cluster up`) when one
     runs, else start and finally stop an embedded cluster.
 
     runtime_env is the job's (the user's code as working_dir): Ray uploads it once, here, and every
-    worker of the job runs in it."""
+    worker of the job runs in it. state_api: an embedded cluster serves Ray's State API (its
+    dashboard), which Ray Train's placement-group cleaner needs to free the CPUs of a training
+    whose controller was killed (a trial Ray Tune stopped early)."""
     import ray
 
     def connect(address: str, node_ip: str | None, where: str) -> None:
@@ -124,6 +127,7 @@ def ray_cluster(
             nodes=spec.cluster.nodes,
             cpus_per_node=cpus_per_node,
             gpus_per_node=local_gpus() // spec.cluster.nodes,
+            include_dashboard=state_api,
         ) as cluster:
             cluster.prepare_client()
             connect(

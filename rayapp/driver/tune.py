@@ -14,24 +14,30 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rayapp.driver.session import progress_pump, ray_cluster
 from rayapp.driver.signals import raise_on_termination
 from rayapp.driver.submit import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S, prepare_user_code
 from rayapp.driver.trainer import storage_path
-from rayapp.driver.tune_runs import TrialRunCallback, best_submit_line, mark_interrupted, tag_best
-from rayapp.driver.tune_space import Param, check_params, param_space
+from rayapp.driver.tune_runs import (
+    TrialRunCallback,
+    backfill_trials,
+    best_submit_line,
+    mark_interrupted,
+    tag_best,
+)
+from rayapp.driver.tune_signals import SweepInterrupts, sweep_interrupts
+from rayapp.driver.tune_space import Param, check_params
 from rayapp.driver.tune_trial import (
     TAG_STOPPED_BY,
     TAG_TUNE,
     TAG_TUNE_PATH,
     TrialPlan,
     find_trial_run,
-    run_trial,
     trial_runs,
 )
+from rayapp.driver.tune_tuner import build_tuner, check_state_api, interrupted_sweep
 from rayapp.errors import RayappError
 from rayapp.launch.preflight import check_capacity, check_precision, resolve_backend
 from rayapp.spec import JobSpec, SpecError
@@ -47,11 +53,6 @@ from rayapp.tracking.run import (
 
 SCHEDULERS = ("fifo", "asha")
 MODES = ("max", "min")
-ASHA_REDUCTION_FACTOR = 2
-"""Each ASHA rung (after epoch 1, 2, 4, ...) keeps the better half of the trials that reached
-it: a sweep of a handful of trials still stops some (Tune's default, 4, keeps a quarter)."""
-TRIAL_ACTOR_MEMORY = 256 * 2**20
-"""Bytes each trial's Tune actor asks the scheduler for (it drives the trial's training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +122,9 @@ def check_options(base: JobSpec, params: list[Param], options: TuneOptions) -> N
 
 
 def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneResult:
-    """Run the sweep to its end and return the best trial; KeyboardInterrupt after an interrupted
-    sweep has been saved (its runs KILLED, to be continued with resume=True)."""
-    import ray
-
+    """Run the sweep to its end and return the best trial. When a signal interrupts it, Tune
+    saves it (to be continued with resume=True), its runs end KILLED, and KeyboardInterrupt
+    (Ctrl-C) or Terminated (SIGTERM, SIGHUP) is raised."""
     check_options(base, params, options)
     raise_on_termination()
     status = options.on_status
@@ -136,34 +136,96 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
     check_tracking_access(tracking_uri)
     base, job_env = prepare_user_code(base, options.job_file, status)
     trial_base = _with_nodes(base, options.nodes_per_trial)
+    resumed = interrupted_sweep(tracking_uri, base) if options.resume else None
+    sweep = _Sweep(parent=resumed[0] if resumed else None)
+    try:
+        results = _run_sweep(
+            sweep, base, trial_base, params, options, tracking_uri, resumed, job_env
+        )
+    except BaseException:
+        # The cluster is down or the driver gone from it: no trial can still be sending epochs.
+        if sweep.parent is not None:
+            backfill_trials(tracking_uri, sweep.parent, trial_base)
+            mark_interrupted(tracking_uri, sweep.parent)
+        raise
+    assert sweep.parent is not None and sweep.plan is not None
+    backfill_trials(tracking_uri, sweep.parent, trial_base)
+    if sweep.interrupts.interrupted:
+        mark_interrupted(tracking_uri, sweep.parent)
+        status(f"sweep interrupted; continue it with the same command and --resume ({sweep.path})")
+        sweep.interrupts.raise_interrupt()
+    try:
+        result = _finish(tracking_uri, sweep.parent, results, sweep.plan, options)
+    except BaseException:
+        close_run(tracking_uri, sweep.parent, "FAILED")
+        raise
+    close_run(tracking_uri, sweep.parent, "FINISHED")
+    return result
+
+
+@dataclass
+class _Sweep:
+    """What the sweep's clean-up needs of it, filled in as it starts."""
+
+    parent: str | None
+    path: str = ""
+    plan: TrialPlan | None = None
+    interrupts: SweepInterrupts = field(default_factory=SweepInterrupts)
+
+
+def _run_sweep(
+    sweep: _Sweep,
+    base: JobSpec,
+    trial_base: JobSpec,
+    params: list[Param],
+    options: TuneOptions,
+    tracking_uri: str,
+    resumed: tuple[str, str, str] | None,
+    job_env: dict | None,
+) -> Any:
+    """The sweep on its cluster, from start (or Tune's restore) to Tune's end of it; the cluster
+    is stopped (or the driver disconnected from it) on return."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    status = options.on_status
+    scheduler = resumed[2] if resumed else options.scheduler
     cluster_spec = _with_nodes(base, options.nodes_per_trial * options.concurrent)
-    resumed = _interrupted_sweep(tracking_uri, base) if options.resume else None
     with ray_cluster(
-        cluster_spec, verbose=options.verbose, status=status, runtime_env=job_env
+        cluster_spec,
+        verbose=options.verbose,
+        status=status,
+        runtime_env=job_env,
+        state_api=scheduler == "asha",
     ) as cluster:
         check_capacity(trial_base)
+        if scheduler == "asha":
+            check_state_api()
         backend = resolve_backend(
             base.cluster.backend, gpus_in_cluster=ray.cluster_resources().get("GPU", 0)
         )
         check_precision(base, backend)
-        from mlflow.tracking import MlflowClient
-
         if resumed is None:
-            parent = _open_parent(tracking_uri, trial_base, params, options)
-            path = f"{storage_path(base.cluster.storage_path)}/tune-{base.name}-{parent[:8]}"
-            MlflowClient(tracking_uri).set_tag(parent, TAG_TUNE_PATH, path)
+            sweep.parent = _open_parent(tracking_uri, trial_base, params, options)
+            sweep.path = (
+                f"{storage_path(base.cluster.storage_path)}/tune-{base.name}-{sweep.parent[:8]}"
+            )
+            MlflowClient(tracking_uri).set_tag(sweep.parent, TAG_TUNE_PATH, sweep.path)
         else:
-            parent, path = resumed
-            MlflowClient(tracking_uri).update_run(parent, status="RUNNING")
-            status(f"resuming sweep {parent} from {path}")
+            sweep.parent, sweep.path = resumed[0], resumed[1]
+            MlflowClient(tracking_uri).update_run(sweep.parent, status="RUNNING")
+            status(f"resuming sweep {sweep.parent} from {sweep.path}")
         # Rank 0's warnings (a model that could not be logged, ...); Tune reports the epochs.
-        with progress_pump(lambda item: _show_message(item, status)) as messages:
-            plan = TrialPlan(
+        with (
+            progress_pump(lambda item: _show_message(item, status)) as messages,
+            sweep_interrupts() as sweep.interrupts,
+        ):
+            sweep.plan = TrialPlan(
                 document=spec_document(trial_base),
                 fields=[param.field for param in params],
                 backend=backend,
                 tracking_uri=tracking_uri,
-                parent_run_id=parent,
+                parent_run_id=sweep.parent,
                 cluster_label=cluster.label,
                 tags=environment_tags(options.job_file),
                 messages=messages,
@@ -173,27 +235,14 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
             # On resume Tune restores the sweep's own callback with the rest of its state.
             callback = TrialRunCallback(
                 tracking_uri=tracking_uri,
-                parent_run_id=parent,
+                parent_run_id=sweep.parent,
                 metric=options.metric,
                 epochs=base.train.epochs,
-                scheduler=options.scheduler,
+                scheduler=scheduler,
             )
-            try:
-                results = _tuner(plan, params, options, path, callback, resumed is not None).fit()
-            except BaseException:
-                mark_interrupted(tracking_uri, parent)
-                raise
-        if results.num_terminated + results.num_errors < len(results):  # Ctrl-C: Tune saved it
-            mark_interrupted(tracking_uri, parent)
-            status(f"sweep interrupted; continue it with the same command and --resume ({path})")
-            raise KeyboardInterrupt
-        try:
-            result = _finish(tracking_uri, parent, results, plan, options)
-        except BaseException:
-            close_run(tracking_uri, parent, "FAILED")
-            raise
-        close_run(tracking_uri, parent, "FINISHED")
-        return result
+            tuner = build_tuner(sweep.plan, params, options, sweep.path, callback, bool(resumed))
+            with sweep.interrupts.fit():
+                return tuner.fit()
 
 
 def _show_message(item: dict, status: Callable[[str], None]) -> None:
@@ -225,99 +274,6 @@ def _open_parent(
         },
         tags={TAG_TUNE: "true", **environment_tags(options.job_file)},
     )
-
-
-def _tuner(
-    plan: TrialPlan,
-    params: list[Param],
-    options: TuneOptions,
-    path: str,
-    callback: TrialRunCallback,
-    resume: bool,
-):
-    from ray import tune
-
-    # The trial actor takes no CPU: its TorchTrainer's workers hold the cluster's CPUs, and a
-    # trial that held one would keep a worker from being placed. Tune needs some resource in a
-    # trial's request; the memory the actor does use (torch, Ray Train and MLflow imported).
-    trainable = tune.with_resources(
-        tune.with_parameters(run_trial, plan=plan), {"CPU": 0, "memory": TRIAL_ACTOR_MEMORY}
-    )
-    if resume:
-        # Tune's own restore: finished trials stay, unfinished and failed ones run again (each in
-        # its run, from its Ray Train checkpoint), the scheduler's state as it was.
-        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
-    scheduler = None
-    if options.scheduler == "asha":
-        scheduler = tune.schedulers.ASHAScheduler(
-            time_attr="training_iteration",
-            # Below the last epoch, and never stopping at it: a trial that reaches its last epoch
-            # ends as the job does (its run closed and its model logged by the trial).
-            max_t=max(1, plan_epochs(plan) - 1),
-            grace_period=1,
-            reduction_factor=ASHA_REDUCTION_FACTOR,
-            stop_last_trials=False,
-        )
-    directory = Path(path)
-    return tune.Tuner(
-        trainable,
-        param_space=param_space(params),
-        tune_config=tune.TuneConfig(
-            metric=options.metric,
-            mode=options.mode,
-            num_samples=options.samples,
-            max_concurrent_trials=options.concurrent,
-            scheduler=scheduler,
-            # A stopped trial's actor must end, taking its TorchTrainer with it.
-            reuse_actors=False,
-        ),
-        run_config=tune.RunConfig(
-            name=directory.name,
-            storage_path=str(directory.parent),
-            callbacks=[callback],
-            verbose=0,
-        ),
-    )
-
-
-def plan_epochs(plan: TrialPlan) -> int:
-    return int(plan.document["train"]["epochs"])
-
-
-def _interrupted_sweep(tracking_uri: str, base: JobSpec) -> tuple[str, str] | None:
-    """The newest sweep of this job in its experiment that did not finish, and its Tune
-    directory; a SpecError when there is none."""
-    from mlflow.tracking import MlflowClient
-    from ray import tune
-
-    client = MlflowClient(tracking_uri)
-    experiment = client.get_experiment_by_name(base.tracking.experiment)
-    runs = (
-        client.search_runs(
-            [experiment.experiment_id],
-            filter_string=(
-                f"tags.`{TAG_TUNE}` = 'true' and params.job = '{base.name}' "
-                "and attributes.status != 'FINISHED'"
-            ),
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-        if experiment is not None
-        else []
-    )
-    if not runs:
-        raise SpecError(
-            f"--resume: no unfinished sweep of job {base.name!r} in experiment "
-            f"{base.tracking.experiment!r}; leave --resume out to start one"
-        )
-    run = runs[0]
-    path = run.data.tags.get(TAG_TUNE_PATH, "")
-    if not path or not tune.Tuner.can_restore(path):
-        raise SpecError(
-            f"--resume: sweep {run.info.run_id} has no saved state at {path!r} to continue from; "
-            "leave --resume out to start a new sweep"
-        )
-    return run.info.run_id, path
 
 
 def _finish(

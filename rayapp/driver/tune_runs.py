@@ -18,10 +18,12 @@ from typing import Any
 import yaml
 from ray.tune import Callback
 
+from rayapp.driver.trainer import storage_path, trial_name
 from rayapp.driver.tune_trial import TAG_STOPPED_BY, find_trial_run, trial_runs
 from rayapp.spec import JobSpec
 from rayapp.spec.loader import spec_document
 from rayapp.spec.overrides import OVERRIDES
+from rayapp.tracking.backfill import backfill_epochs
 from rayapp.tracking.run import TAG_EARLY_STOPPED, close_run
 
 LOG = logging.getLogger("rayapp.tune")
@@ -69,9 +71,11 @@ class TrialRunCallback(Callback):
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.tracking_uri)
-        if client.get_run(run_id).info.status != "RUNNING":
-            return  # the trial ran to its end and closed its run itself
         epoch = int((trial.last_result or {}).get("epoch", -1)) + 1
+        if client.get_run(run_id).info.status != "RUNNING":
+            # The trial ran to its end and closed its run itself.
+            LOG.info("trial %s finished after epoch %s/%s", trial.trial_id, epoch, self.epochs)
+            return
         client.set_tag(run_id, TAG_EARLY_STOPPED, "true")
         client.set_tag(run_id, TAG_STOPPED_BY, self.scheduler)
         client.set_tag(run_id, TAG_STOPPED_AFTER, str(epoch))
@@ -116,6 +120,29 @@ def mark_interrupted(tracking_uri: str, parent_run_id: str) -> None:
         if run.info.status == "RUNNING":
             close_run(tracking_uri, run.info.run_id, "KILLED")
     close_run(tracking_uri, parent_run_id, "KILLED")
+
+
+def backfill_trials(tracking_uri: str, parent_run_id: str, spec: JobSpec) -> None:
+    """Each trial run's epochs that its rank 0 trained but never sent, from the trial's newest
+    Ray Train checkpoint.
+
+    rank 0 sends its epochs from a paced background thread; a trial that Tune stopped (ASHA, or
+    Ctrl-C) was killed with its workers, usually before any of its epochs had gone out. Call it
+    once the sweep's trial actors are gone: no worker can then be sending what is filled in."""
+    root = storage_path(spec.cluster.storage_path).rstrip("/")
+    for run in trial_runs(tracking_uri, parent_run_id):
+        run_id = run.info.run_id
+        try:
+            epochs = backfill_epochs(tracking_uri, run_id, f"{root}/{trial_name(spec, run_id)}")
+        except Exception as exc:  # MLflow unreachable: the checkpoints still hold the figures
+            LOG.info(
+                "trial run %s: its checkpointed epochs could not be logged (%s)",
+                run_id,
+                type(exc).__name__,
+            )
+            continue
+        if epochs:
+            LOG.debug("trial run %s: epochs %s logged from its checkpoint", run_id, epochs)
 
 
 def tag_best(

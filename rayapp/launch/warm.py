@@ -187,6 +187,9 @@ def up(
         cpus_per_node=cpus_per_node,
         gpus_per_node=gpus_per_node,
         token=secrets.token_hex(32),
+        # Ray's State API (the dashboard): Ray Train frees the CPUs of a training whose controller
+        # was killed (a `rayapp tune` trial that ASHA stopped) only through it.
+        include_dashboard=True,
     )
     try:
         cluster.start()
