@@ -79,3 +79,26 @@ def test_mesh_strategies_on_nccl(workdir, strategy):
     whole = 4 * (128 * 512 + 512 + 512 * 512 + 512 + 512 * 16 + 16)
     assert run.data.metrics["param_bytes_per_rank"] < 0.6 * whole
     assert run.data.metrics["comm_bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["tp", "fsdp+tp"])
+def test_tensor_parallel_in_fp16_with_clipping_and_compile(workdir, strategy):
+    # fp16's gradient scaler and the global-norm clip over DTensor gradients on two meshes (the
+    # split layers on the 2-D mesh, the whole last layer on the replicate dim); CPUs refuse fp16.
+    if gpus() < 2:
+        pytest.skip("needs 2 GPUs: two workers of one node")
+    import yaml
+
+    job = yaml.safe_load((JOBS / "mlp_synthetic.yaml").read_text())
+    job["train"].update({"precision": "fp16", "grad_clip": 1.0, "compile": True})
+    (workdir / "job.yaml").write_text(yaml.safe_dump(job))
+    nodes = 2 if gpus() >= 4 else 1
+    result = run_rayapp(
+        "submit", "--nodes", str(nodes), "--workers-per-node", "2", "--strategy", strategy,
+        "--epochs", "2", str(workdir / "job.yaml"), cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = only_run(mlflow_client(workdir))
+    assert run.data.params["precision"] == "fp16"
+    losses = [m.value for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 2 and losses[-1] < losses[0], losses
