@@ -24,12 +24,14 @@ from conftest import (
     wait_for_line,
 )
 
+from rayapp.launch.cluster import EmbeddedCluster
 from rayapp.spec.loader import load_spec
 from rayapp.train.data import build_datasets
 
+pytestmark = pytest.mark.integration
 # Each trial starts a Tune actor, a Ray Train controller and a worker (new processes, torch
-# imported in each): about 30 s a trial here, so each scenario takes about two minutes.
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# imported in each): about 30 s a trial here, so a scenario of three trials takes two minutes.
+slow = pytest.mark.slow
 
 GOOD_LR = 0.003
 EPOCHS = 4
@@ -78,6 +80,7 @@ def epochs_logged(client, run) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run.info.run_id, "test_accuracy"))
 
 
+@slow
 def test_asha_stops_weak_trials_frees_their_node_and_tags_the_best(workdir: Path):
     """One node, one trial at a time: the good trial runs first and reaches every rung; each weak
     one is below the rung's median after epoch 1 and is stopped. The second weak trial can only
@@ -131,6 +134,7 @@ def test_asha_stops_weak_trials_frees_their_node_and_tags_the_best(workdir: Path
     assert abs((predicted == labels.numpy()).mean() - accuracy) <= 0.01
 
 
+@slow
 def test_ctrl_c_saves_the_sweep_and_resume_finishes_it_in_the_same_runs(workdir: Path):
     """Two trials, one after the other: Ctrl-C while the second trains. The parent and the
     second trial's run end KILLED, exit 130, nothing of the cluster left. --resume continues the
@@ -184,3 +188,24 @@ def test_ctrl_c_saves_the_sweep_and_resume_finishes_it_in_the_same_runs(workdir:
         first.info.run_id,
         second.info.run_id,
     }
+
+
+def test_asha_is_refused_on_a_cluster_without_the_state_api(workdir: Path):
+    """A cluster whose dashboard is off cannot free a stopped trial's CPUs: the sweep is refused
+    in one line before any trial starts, instead of waiting for ever."""
+    with EmbeddedCluster(nodes=1, cpus_per_node=1, include_dashboard=False) as cluster:
+        result = run_rayapp(
+            *tune_args(workdir, "grid(0.003,0.01)", "--epochs", "2", "--scheduler", "asha"),
+            "--address",
+            cluster.address,
+            cwd=workdir,
+            env=cluster.auth_env,
+            timeout=120,
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"rayapp: error: --scheduler asha: the Ray cluster at {cluster.address}")
+    assert "serves no Ray State API" in line and "--include-dashboard=true" in line
+    assert "trial" not in result.stdout
+    client = mlflow_client(workdir)
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
