@@ -21,7 +21,7 @@ from conftest import REPO, mlflow_client, run_rayapp
 
 from rayapp.tracking.run import TAG_MESH
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 EPOCHS = 3
 TOLERANCE = 1e-4
