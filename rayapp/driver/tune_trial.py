@@ -4,7 +4,8 @@ training (a TorchTrainer of its own, as Ray Train 2 runs under Tune) in a child 
 It runs in a Tune trial actor, not in the driver: everything it needs comes in a
 :class:`TrialPlan`. Each epoch rank 0 reports to Ray Train reaches Tune through Ray Train's
 ``TuneReportCallback``, so a scheduler (ASHA) can stop the trial after any epoch; the driver then
-closes its run (:mod:`rayapp.driver.tune`), since a stopped trial's actor is ended with its
+closes its run and, once the sweep is over, logs the epochs its rank 0 had not sent from its last
+checkpoint (:mod:`rayapp.driver.tune_runs`), since a stopped trial's actor is ended with its
 training and runs nothing more here.
 """
 
