@@ -121,7 +121,7 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Ten
             by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(parameter)
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)
