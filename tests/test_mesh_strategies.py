@@ -1,7 +1,7 @@
 """hsdp, tp and fsdp+tp without Ray: the spec's checks, the tensor-parallel plans, the collective
 byte count, and real 4-rank Gloo process groups on a (replicate=2, shard=2) mesh, where each
-strategy trains to ddp's weights, with and without gradient clipping, and an hsdp checkpoint
-resumes on a mesh of another shape."""
+strategy (and pp with a pipeline per node) trains to ddp's weights, with and without gradient
+clipping, and an hsdp checkpoint resumes on a mesh of another shape."""
 
 from __future__ import annotations
 
@@ -167,6 +167,42 @@ def train(
     return model, optimizer, counter.total
 
 
+def train_pp(rank: int, mesh) -> dict[str, torch.Tensor]:
+    """The same steps under pp on the 2-D mesh: a pipeline of 2 stages per node (2 micro-batches
+    each step), each pipeline on its node's half of the batch, the stages' gradients averaged
+    across the nodes; returns the whole model, gathered from the stages."""
+    from types import SimpleNamespace
+
+    from rayapp.train.pipeline import StageClock, make_schedule, run_step
+    from rayapp.train.pipeline_mesh import average_gradients, pipeline_place
+    from rayapp.train.pipeline_split import split_model
+
+    document = job("pp", [16, 16])
+    document["train"]["pipeline"] = {"stages": 2, "microbatches": 2}
+    spec = build_spec(document)
+    place = pipeline_place(SimpleNamespace(spec=spec, world_size=4, rank=rank, mesh=mesh))
+    assert (place.stage, place.replica) == (rank % 2, rank // 2)  # a pipeline per node
+    device = torch.device("cpu")
+    model = split_model(mlp(), 2)[place.stage]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    schedule = make_schedule(
+        spec, model, nn.functional.mse_loss, rank=place.stage, device=device,
+        clock=StageClock(device), group=place.pipeline_group,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    inputs, targets = torch.randn(16, 8), torch.randn(16, 4)
+    rows = slice(place.replica * 8, (place.replica + 1) * 8)
+    for _ in range(STEPS):
+        batch = [inputs[rows], targets[rows]] if place.first else {"target": targets[rows]}
+        run_step(schedule, batch, first=place.first, last=place.last, device=device)
+        average_gradients(model, place)
+        optimizer.step()
+        optimizer.zero_grad()
+    parts: list = [None] * 4
+    dist.all_gather_object(parts, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return {key: value for part in parts for key, value in part.items()}
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from rayapp.train.checkpoint import full_model_state
 
@@ -189,6 +225,9 @@ def group(rank: int, world: int, port: int, out: dict, directory: str) -> None:
                     out[strategy], out[f"{strategy}_bytes"] = state, sent
                 if strategy == "hsdp":
                     save(spec_for("hsdp"), directory, model, optimizer, {}, rank=rank)
+            pp_state = train_pp(rank, mesh)
+            if rank == 0:
+                out["pp"] = pp_state
             # Clipped: under tp and fsdp+tp the gradients are DTensors on two meshes (the split
             # layers on the 2-D mesh, the last, whole one on its replicate dim alone).
             for strategy in ("ddp", "hsdp", "tp", "fsdp+tp"):
@@ -220,7 +259,7 @@ def test_mesh_strategies_train_to_ddps_weights_and_hsdp_resumes_on_another_shape
         out = dict(out)
     reference = out["ddp"]
     assert not torch.equal(reference["0.weight"], mlp().state_dict()["0.weight"])  # trained
-    for strategy in ("hsdp", "tp", "fsdp+tp", "resumed"):
+    for strategy in ("hsdp", "tp", "fsdp+tp", "pp", "resumed"):
         assert out[strategy].keys() == reference.keys(), strategy
         for key, value in reference.items():
             torch.testing.assert_close(out[strategy][key], value, msg=f"{strategy} drifts: {key}")

@@ -132,6 +132,15 @@ def test_the_shipped_job_and_its_defaults():
     )  # < stages: allowed
 
 
+def test_a_pipeline_per_node_makes_the_nodes_data_parallel():
+    spec = load_spec(JOB, {"cluster.workers_per_node": 2})  # stages 2 on 2 nodes x 2 workers
+    assert (spec.world_size, spec.train.pipeline.stages, spec.data_parallel_size) == (4, 2, 2)
+    assert (spec.batch_size_per_worker, spec.global_batch_size) == (128, 256)  # a pipeline's half
+    assert spec.steps_per_epoch == spec.num_train_samples // 256
+    whole = load_spec(JOB, {"cluster.workers_per_node": 2, "train.pipeline.stages": 4})
+    assert (whole.data_parallel_size, whole.batch_size_per_worker) == (1, 256)
+
+
 def invoke(*args):
     return CliRunner().invoke(main, ["submit", *map(str, args)])
 
@@ -149,6 +158,19 @@ def invoke(*args):
             "workers_per_node 1); strategy pp runs one stage per worker",
         ),
         ([JOB, "--nodes", "3"], "train.pipeline.stages: 2 is not accepted with world_size 3"),
+        (
+            [JOB, "--workers-per-node", "2", "--pp-stages", "3"],
+            "train.pipeline.stages: 3 is not accepted with world_size 4 (nodes 2 * "
+            "workers_per_node 2); strategy pp runs one stage per worker, in one pipeline over "
+            "every worker (stages 4), or one pipeline per node with the nodes data-parallel "
+            "(stages 2, the run's 2-D mesh): use stages 4 or 2, or 3 workers",
+        ),
+        (
+            [JOB, "--nodes", "1", "--workers-per-node", "4"],
+            "train.pipeline.stages: 2 is not accepted with world_size 4 (nodes 1 * "
+            "workers_per_node 4); strategy pp runs one stage per worker, in one pipeline over "
+            "every worker (stages 4): use stages 4, or 2 workers",
+        ),
         (
             [JOB, "--microbatches", "0"],
             "train.pipeline.microbatches: 0 is not accepted; use a whole number >= 1",

@@ -42,6 +42,18 @@ def _shown(value: Any) -> str:
     )
 
 
+def pipeline_shapes(nodes: int, workers_per_node: int) -> tuple[int, ...]:
+    """The stage counts pp accepts: one pipeline over every worker, or (2 nodes or more, 2 workers
+    or more each) one pipeline per node, the pipelines data-parallel across the nodes: the run's
+    2-D mesh with a pipeline along each ``shard`` row and each stage's copies along ``replicate``.
+    A pipeline never spans part of a node: its neighbours' activations would cross the network
+    while workers of the same node sat in other pipelines."""
+    world = nodes * workers_per_node
+    if nodes >= 2 and workers_per_node >= 2:
+        return (world, workers_per_node)
+    return (world,)
+
+
 def check_pipeline(job: Any) -> None:
     """Strategy pp against the whole job (a JobSpec, whose train.pipeline.stages is filled in)."""
     pipe, world = job.train.pipeline, job.world_size
@@ -57,11 +69,20 @@ def check_pipeline(job: Any) -> None:
             f"train.strategy: 'pp' is not accepted with world_size {world}: it runs one stage per "
             "worker, 2 or more; use --nodes 2 (or more), or ddp"
         )
-    if pipe.stages != world:
+    nodes, per_node = job.cluster.nodes, job.cluster.workers_per_node
+    shapes = pipeline_shapes(nodes, per_node)
+    if pipe.stages not in shapes:
+        per_node_pipelines = (
+            f", or one pipeline per node with the nodes data-parallel (stages {per_node}, the "
+            "run's 2-D mesh)"
+            if len(shapes) > 1
+            else ""
+        )
         raise SpecError(
             f"train.pipeline.stages: {pipe.stages} is not accepted with world_size {world} (nodes "
-            f"{job.cluster.nodes} * workers_per_node {job.cluster.workers_per_node}); strategy pp "
-            f"runs one stage per worker: use stages {world}, or {pipe.stages} workers"
+            f"{nodes} * workers_per_node {per_node}); strategy pp runs one stage per worker, in "
+            f"one pipeline over every worker (stages {world}){per_node_pipelines}: use stages "
+            f"{' or '.join(map(str, shapes))}, or {pipe.stages} workers"
         )
     layers = (
         len(job.model.hidden) + 1

@@ -1,5 +1,6 @@
 """Pipeline parallelism (``train.strategy: pp``): the model's layers cut into stages, one per
-worker.
+worker, in one pipeline over every worker or one per node, the pipelines data-parallel
+(:mod:`rayapp.train.pipeline_mesh`).
 
 :func:`apply_pp` (the strategy's entry in :mod:`rayapp.spec.catalog`) keeps this rank's stage of an
 nn.Sequential: its children, grouped so a parameterless layer (a ReLU) stays with the layer before
@@ -10,9 +11,11 @@ dict has keys of its own and a DCP checkpoint holds every stage side by side.
 :func:`pipeline_loop` is the built-in loop under pp (:func:`rayapp.train.loop.standard_loop` hands
 over to it). It trains through the same :class:`TrainContext` as every loop (resume, exactly-once
 epochs, timings, checkpoints) and runs each batch with torch.distributed.pipelining's GPipe or 1F1B
-schedule over the process group Ray Train formed (Gloo on CPUs, NCCL on GPUs). All stages of the
+schedule over the process group Ray Train formed (Gloo on CPUs, NCCL on GPUs). All stages of a
 pipeline read the same batches (they are one data-parallel replica): stage 0 feeds the inputs, the
-last stage takes the targets and the loss, and the loss is summed over ranks so rank 0 logs it.
+last stage takes the targets and the loss, and the loss is averaged over the pipelines' last stages
+so rank 0 logs it. With several pipelines each reads its own share of the data and each stage's
+gradients are averaged with its copies before the step.
 
 Per epoch, beside the standard metrics: ``pipeline_bubble`` (measured: the share of each stage's
 schedule time spent outside its own forward, backward and loss, averaged over stages) against
@@ -36,9 +39,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from rayapp.spec import JobSpec
+from rayapp.tracking.run import TAG_MESH
 from rayapp.train import collectives
 from rayapp.train.data import build_datasets, build_loader, shard_sampler
+from rayapp.train.mesh import describe
 from rayapp.train.models import build_loss, build_model, build_optimizer
+from rayapp.train.pipeline_mesh import PipelinePlace, average_gradients, pipeline_place
 from rayapp.train.pipeline_split import split_model
 from rayapp.train.strategies import Placement, local_parameter_bytes
 from rayapp.train.timing import DeviceTimer
@@ -48,10 +54,11 @@ TIMED_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "perform_reduc
 
 
 def apply_pp(model: nn.Module, *, device: torch.device, spec: JobSpec) -> Placement:
-    """This rank's stage of `model`, on `device` (the other stages' layers are dropped here)."""
+    """This rank's stage of `model`, on `device` (the other stages' layers are dropped here).
+    Pipelines are blocks of consecutive ranks (:mod:`rayapp.train.pipeline_mesh`)."""
     pipe = spec.train.pipeline
     assert pipe is not None and pipe.stages is not None  # the spec resolves a pp job's stages
-    stage = split_model(model, pipe.stages)[dist.get_rank()]
+    stage = split_model(model, pipe.stages)[dist.get_rank() % pipe.stages]
     return Placement(stage.to(device), device, device)
 
 
@@ -110,13 +117,15 @@ def make_schedule(
     rank: int,
     device: torch.device,
     clock: StageClock,
+    group: dist.ProcessGroup | None = None,
 ):
-    """This rank's PipelineStage in the job's schedule, with its compute timed by `clock`."""
+    """This rank's PipelineStage (stage `rank` of the pipeline whose process group is `group`,
+    default: every rank) in the job's schedule, with its compute timed by `clock`."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pipe = spec.train.pipeline
     assert pipe is not None and pipe.stages is not None  # the spec resolves a pp job's stages
-    stage = PipelineStage(model, rank, pipe.stages, device)
+    stage = PipelineStage(model, rank, pipe.stages, device, group=group)
     for name in TIMED_STAGE_METHODS:
         if hasattr(stage, name):
             setattr(stage, name, clock.timed(getattr(stage, name)))
@@ -160,14 +169,20 @@ def run_step(
 def pipeline_loop(ctx) -> None:
     """The built-in loop (supervised training, one loss) with this rank's stage of the model."""
     spec, pipe, device = ctx.spec, ctx.spec.train.pipeline, ctx.device
-    rank, stages = ctx.rank, pipe.stages
-    first, last = rank == 0, rank == stages - 1
+    place = pipeline_place(ctx)
+    stages, first, last = place.stages, place.first, place.last
+    if place.replicas > 1:
+        ctx.logger.set_tags({TAG_MESH: describe(ctx.mesh)})
 
-    # -- set-up: data (every stage reads the same batches: one data-parallel replica), this rank's
-    # stage, optimizer, schedule
+    # -- set-up: data (every stage of a pipeline reads the same batches: one data-parallel
+    # replica), this rank's stage, optimizer, schedule
     datasets = build_datasets(spec)
     loader = build_loader(
-        spec, datasets.train, rank=0, world_size=1, pin_memory=device.type == "cuda"
+        spec,
+        datasets.train,
+        rank=place.replica,
+        world_size=place.replicas,
+        pin_memory=device.type == "cuda",
     )
     model = ctx.prepare(build_model(spec))  # apply_pp: this rank's stage
     optimizer = build_optimizer(spec, model)
@@ -177,7 +192,15 @@ def pipeline_loop(ctx) -> None:
     loss_fn = build_loss(spec)
     clock = StageClock(device)
     ctx.measure_comm_with(clock)  # comm_time_s: this stage's send/recv, not DDP's reducer
-    schedule = make_schedule(spec, model, loss_fn, rank=rank, device=device, clock=clock)
+    schedule = make_schedule(
+        spec,
+        model,
+        loss_fn,
+        rank=place.stage,
+        device=device,
+        clock=clock,
+        group=place.pipeline_group,
+    )
     batches = StageBatches(loader, first=first, last=last)
     classification = spec.data.is_classification or spec.loss == "cross_entropy"
     if pipe.microbatches < stages:
@@ -202,32 +225,33 @@ def pipeline_loop(ctx) -> None:
                 clock.schedule.start()
                 with ctx.autocast():
                     loss_sum += run_step(schedule, batch, first=first, last=last, device=device)
+                average_gradients(model, place)  # between pipelines: comm, as the send/recv
                 clock.schedule.stop()
                 ctx.step(optimizer)
             steps += 1
 
-        # -- end of epoch: the last stage's loss, the test set, and every stage's figures
-        metrics = {"loss": collectives.sum_over_ranks(float(loss_sum) / max(steps, 1), device)}
+        # -- end of epoch: the last stages' loss, the test set, and every stage's figures
+        loss = collectives.sum_over_ranks(float(loss_sum) / max(steps, 1), device)
+        metrics = {"loss": loss / place.replicas}
         if datasets.test is not None:
             metrics.update(
                 evaluate(
                     model,
                     datasets.test,
                     loss_fn,
-                    rank=rank,
-                    stages=stages,
+                    place=place,
                     device=device,
                     batch_size=spec.batch_size_per_worker,
                     classification=classification,
                 )
             )
         metrics.update(
-            stage_metrics(clock, device=device, stages=stages, microbatches=pipe.microbatches)
+            stage_metrics(clock, device=device, place=place, microbatches=pipe.microbatches)
         )
         ctx.log_epoch(metrics)
 
     # -- once: how the split shared out the parameters (param_bytes_per_rank is rank 0's alone)
-    sizes = gather_rows([local_parameter_bytes(model)], device=device, stages=stages)
+    sizes = gather_rows([local_parameter_bytes(model)], device=device, place=place)
     ctx.logger.log_metrics(
         {f"stage_{i}_param_bytes": row[0] for i, row in enumerate(sizes)},
         step=spec.train.epochs - 1,
@@ -250,24 +274,26 @@ def bubble_ideal(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def gather_rows(values: list[float], *, device: torch.device, stages: int) -> list[list[float]]:
-    """Every stage's `values`, in stage order (a collective)."""
+def gather_rows(
+    values: list[float], *, device: torch.device, place: PipelinePlace
+) -> list[list[float]]:
+    """Every stage's `values` in this rank's pipeline, in stage order (a collective)."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
-    rows = [torch.zeros_like(mine) for _ in range(stages)]
-    dist.all_gather(rows, mine)
+    rows = [torch.zeros_like(mine) for _ in range(place.stages)]
+    dist.all_gather(rows, mine, group=place.pipeline_group)
     return [row.tolist() for row in rows]
 
 
 def stage_metrics(
-    clock: StageClock, *, device: torch.device, stages: int, microbatches: int
+    clock: StageClock, *, device: torch.device, place: PipelinePlace, microbatches: int
 ) -> dict[str, float]:
-    """Every stage's compute time and peak memory (a collective), and the measured and ideal
-    bubble."""
+    """Every stage's compute time and peak memory in this rank's pipeline (a collective), and the
+    measured and ideal bubble."""
     schedule_s, compute_s = clock.figures()
     rows = gather_rows(
-        [schedule_s, compute_s, collectives.peak_memory_mb(device)], device=device, stages=stages
+        [schedule_s, compute_s, collectives.peak_memory_mb(device)], device=device, place=place
     )
-    metrics = {"pipeline_bubble_ideal": bubble_ideal(stages, microbatches)}
+    metrics = {"pipeline_bubble_ideal": bubble_ideal(place.stages, microbatches)}
     idle = []
     for index, (stage_schedule_s, stage_compute_s, peak_mb) in enumerate(rows):
         metrics[f"stage_{index}_compute_time_s"] = stage_compute_s
@@ -318,22 +344,22 @@ def evaluate(
     test_set,
     loss_fn,
     *,
-    rank: int,
-    stages: int,
+    place: PipelinePlace,
     device: torch.device,
     batch_size: int,
     classification: bool,
 ) -> dict[str, float]:
     """test_accuracy or test_loss over the whole test set, each batch passed stage to stage (a
-    plain forward, no micro-batches: a test set is small); every rank gets the last stage's
-    figure."""
+    plain forward, no micro-batches: a test set is small); every rank of a pipeline gets its last
+    stage's figure (each pipeline evaluates the same model on the whole set)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, samples
+    previous, following = place.rank_of(place.stage - 1), place.rank_of(place.stage + 1)
     for inputs, targets in DataLoader(test_set, batch_size=max(batch_size, 256)):
-        outputs = model(inputs.to(device) if rank == 0 else _recv(rank - 1, device))
-        if rank < stages - 1:
-            _send(outputs, rank + 1)
+        outputs = model(inputs.to(device) if place.first else _recv(previous, device))
+        if not place.last:
+            _send(outputs, following)
             continue
         targets = targets.to(device)
         if classification:
@@ -341,7 +367,7 @@ def evaluate(
         else:
             totals[1] += loss_fn(outputs, targets).double() * len(targets)
         totals[2] += len(targets)
-    dist.broadcast(totals, src=stages - 1)
+    dist.broadcast(totals, src=place.rank_of(place.stages - 1), group=place.pipeline_group)
     model.train(was_training)
     correct, loss_sum, seen = totals.tolist()
     if classification:
