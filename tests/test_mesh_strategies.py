@@ -74,6 +74,32 @@ def test_the_cli_refuses_such_a_job_with_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_tensor_parallel_takes_clipping_bf16_compile_and_accumulation():
+    document = job("fsdp+tp", [64, 64])
+    document["train"].update(grad_clip=1.0, precision="bf16", compile=True, grad_accum_steps=2)
+    for strategy in ("tp", "fsdp+tp"):
+        train = build_spec(document, {"train.strategy": strategy}).train
+        assert (train.grad_clip, train.precision, train.compile) == (1.0, "bf16", True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU accepts fp16")
+def test_fp16_under_tensor_parallelism_on_cpus_is_one_line_exit_2():
+    from click.testing import CliRunner
+
+    from rayapp.cli import main
+
+    result = CliRunner().invoke(
+        main,
+        ["submit", str(REPO / "jobs" / "mlp_synthetic.yaml"), "--nodes", "2",
+         "--workers-per-node", "2", "--strategy", "fsdp+tp", "--precision", "fp16"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "rayapp: error: train.precision: 'fp16' is not accepted on CPUs (no CUDA GPU here; fp16 "
+        "needs loss scaling on a GPU); use bf16, which CPUs run, or fp32"
+    ]
+
+
 # ---- plans -------------------------------------------------------------------------------
 
 
