@@ -107,3 +107,30 @@ def test_runs_without_the_figures_show_dashes(tmp_path):
         line for line in render([summary], "markdown").splitlines() if line.startswith("| old")
     ]
     assert line.count("| - |") >= 3
+    assert summary.slow_link == "-"
+
+
+def test_the_node_with_the_slowest_link_is_named(tmp_path):
+    # Three nodes, a rank each; the third's link takes 10x the others' (its warm-up epoch, the
+    # first, is left out like every figure's).
+    uri = migrated_store(tmp_path / "mlflow.db")
+    warm_up = {
+        "epoch_time_s": 1.0,
+        "rank0_link_s": 0.9,
+        "rank1_link_s": 0.002,
+        "rank2_link_s": 0.02,
+    }
+    steady = {
+        "epoch_time_s": 1.0,
+        "rank0_link_s": 0.002,
+        "rank1_link_s": 0.003,
+        "rank2_link_s": 0.03,
+    }
+    run_id = log_run(uri, job="mlp", world=3, scaling="strong", epochs=[warm_up] + [steady] * 3)
+    MlflowClient(uri).set_tag(run_id, TAG_NODE_IPS, "127.0.0.2,127.0.0.3,127.0.0.4")
+    (summary,) = load_summaries(uri, experiment="cmp")
+    assert summary.slowest_link_node == "127.0.0.4"
+    assert summary.link_spread == pytest.approx(10.0)
+    assert summary.slow_link == "10.00x @ 127.0.0.4"
+    assert "| 10.00x @ 127.0.0.4 |" in render([summary], "markdown")
+    assert json.loads(render([summary], "json"))[0]["slowest_link_node"] == "127.0.0.4"

@@ -47,6 +47,7 @@ COLUMNS = [
     Column("mfu", "MFU", "{:.1%}"),
     Column("goodput", "goodput", "{:.0%}"),
     Column("straggler", "slowest rank", "{}"),
+    Column("slow_link", "slowest link", "{}"),
     Column("startup_cluster_s", "cluster up s", "{:.1f}"),
     Column("startup_workers_s", "workers up s", "{:.1f}"),
     Column("time_to_first_step_s", "first step s", "{:.1f}"),
@@ -64,6 +65,8 @@ CSV_ONLY = [
     "step_time_spread",
     "slowest_rank",
     "slowest_node",
+    "link_spread",
+    "slowest_link_node",
 ]
 """The time breakdown's numbers: in CSV and JSON for whoever plots them again; the table has the
 plot."""
@@ -113,7 +116,12 @@ def render(summaries: list[RunSummary], fmt: str) -> str:
     caption = CAPTION + (ELASTIC_CAPTION if any(s.elastic for s in summaries) else "")
     table = Table(title="Scaling comparison (medians, first epoch excluded)", caption=caption)
     for column in COLUMNS:
-        text = column.fmt == "{}" or column.name in ("run_id", "cpu_percent_by_node", "straggler")
+        text = column.fmt == "{}" or column.name in (
+            "run_id",
+            "cpu_percent_by_node",
+            "straggler",
+            "slow_link",
+        )
         table.add_column(column.title, justify="left" if text else "right")
     for row in rows:
         table.add_row(*row)
@@ -138,6 +146,8 @@ CAPTION = (
     "shows the rest (start-up, comm, data, checkpoints, restarts, other). "
     "slowest rank: its median step time (batch request to gradients ready) over the median "
     "rank's, and its node. "
+    "slowest link (3 nodes or more): the node whose link took longest to bring it 1 MiB from its "
+    "faster neighbour, timed at each epoch's end, over the median node's. "
     "param MB/rank: the parameters rank 0 holds; comm MB/step: what one step's collectives moved "
     "on rank 0, counted from the collectives (MB = 2^20 bytes; CSV and JSON keep the bytes)."
 )

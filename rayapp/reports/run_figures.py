@@ -1,6 +1,7 @@
 """What a run's MLflow records say beyond its epoch times: where a steady epoch's time goes, how
-busy each node was, the FLOP rate and MFU, which rank was slowest, and where the whole run's wall
-time went (goodput). Steady means the first epoch excluded, as everywhere in the comparison."""
+busy each node was, the FLOP rate and MFU, which rank was slowest and which node's link, and
+where the whole run's wall time went (goodput). Steady means the first epoch excluded, as
+everywhere in the comparison."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
 RANK_STEP_MEDIAN = re.compile(r"rank(\d+)_step_time_median_s")
+RANK_LINK = re.compile(r"rank(\d+)_link_s")
 
 
 def steady_epochs(client: MlflowClient, run_id: str) -> set[int]:
@@ -121,21 +123,37 @@ def stragglers(client: MlflowClient, run: Run) -> dict[str, Any]:
     """The spread of the ranks' step times: the slowest rank's median step time over the
     median rank's (1.0: all alike), which rank that was and on which node. Each rank's figure
     is the median over steady epochs of its ``rank<N>_step_time_median_s``."""
-    run_id = run.info.run_id
-    steady = steady_epochs(client, run_id)
+    node_ips = run.data.tags.get(TAG_NODE_IPS, "").split(",")
+    spread, slowest, node = _slowest(_steady_by_rank(client, run, RANK_STEP_MEDIAN), node_ips)
+    return {"step_time_spread": spread, "slowest_rank": slowest, "slowest_node": node}
+
+
+def links(client: MlflowClient, run: Run) -> dict[str, Any]:
+    """The spread of the nodes' link times (``rank<N>_link_s``, rayapp.train.link_probe): the
+    slowest node's median over the median node's, and that node; NaN and "" for a run on fewer
+    than 3 nodes, which times none."""
+    node_ips = run.data.tags.get(TAG_NODE_IPS, "").split(",")
+    spread, _, node = _slowest(_steady_by_rank(client, run, RANK_LINK), node_ips)
+    return {"link_spread": spread, "slowest_link_node": node}
+
+
+def _steady_by_rank(client: MlflowClient, run: Run, pattern: re.Pattern[str]) -> dict[int, float]:
+    """rank -> the median over steady epochs of its per-rank metric `pattern` names."""
+    steady = steady_epochs(client, run.info.run_id)
     by_rank: dict[int, float] = {}
     for key in run.data.metrics:
-        matched = RANK_STEP_MEDIAN.fullmatch(key)
+        matched = pattern.fullmatch(key)
         if matched:
-            history = _steady_history(client, run_id, key, steady)
+            history = _steady_history(client, run.info.run_id, key, steady)
             if history:
                 by_rank[int(matched.group(1))] = statistics.median(history.values())
+    return by_rank
+
+
+def _slowest(by_rank: dict[int, float], node_ips: list[str]) -> tuple[float, int | None, str]:
+    """(the largest figure over the median one, its rank, that rank's node)."""
     if len(by_rank) < 2:  # one rank (or none timed): nobody to be slower than
-        return {"step_time_spread": math.nan, "slowest_rank": None, "slowest_node": ""}
+        return math.nan, None, ""
     slowest = max(sorted(by_rank), key=by_rank.__getitem__)
-    node_ips = run.data.tags.get(TAG_NODE_IPS, "").split(",")
-    return {
-        "step_time_spread": by_rank[slowest] / statistics.median(by_rank.values()),
-        "slowest_rank": slowest,
-        "slowest_node": node_ips[slowest] if slowest < len(node_ips) else "",
-    }
+    node = node_ips[slowest] if slowest < len(node_ips) else ""
+    return by_rank[slowest] / statistics.median(by_rank.values()), slowest, node

@@ -15,6 +15,7 @@ from rayapp.reports.run_figures import (
     cpu_by_node,
     efficiency,
     goodput,
+    links,
     stragglers,
     time_breakdown,
 )
@@ -91,6 +92,10 @@ class RunSummary:
     slowest_rank: int | None = None
     slowest_node: str = ""
     """The node (IP) the slowest rank ran on."""
+    link_spread: float = math.nan
+    """The slowest node's median link time over the median node's (3 nodes or more)."""
+    slowest_link_node: str = ""
+    """The node (IP) whose link was slowest (rayapp.train.link_probe)."""
     run_wall_s: float = math.nan
     """Submission until training ended, as the driver measured it."""
     goodput: float = math.nan
@@ -117,6 +122,13 @@ class RunSummary:
             return "-"
         where = f" @ {self.slowest_node}" if self.slowest_node else ""
         return f"{self.step_time_spread:.2f}x rank {self.slowest_rank}{where}"
+
+    @property
+    def slow_link(self) -> str:
+        """``9.80x @ 127.0.0.4``: the link-time spread and the node with the slowest link."""
+        if not self.slowest_link_node or math.isnan(self.link_spread):
+            return "-"
+        return f"{self.link_spread:.2f}x @ {self.slowest_link_node}"
 
     @property
     def world_label(self) -> str:
@@ -194,6 +206,7 @@ def summarize_run(client: MlflowClient, run: Run) -> RunSummary:
         cpu_percent_by_node=cpu_by_node(client, run),
         **efficiency(client, run),
         **stragglers(client, run),
+        **links(client, run),
         **goodput(run),
     )
 

@@ -9,6 +9,8 @@ Metrics, logged with each epoch (rank 0 logs them; see README, "What lands in ML
 - ``mfu``: tflops_per_s / peak_tflops.
 - ``rank<N>_step_time_median_s`` and ``rank<N>_step_time_p95_s``: rank N's own step times
   (see rayapp.train.timing.DeviceTimer), median and 95th percentile over the epoch's steps.
+- ``rank<N>_link_s``: on 3 nodes or more, the link of the node whose first rank is N, timed at
+  the epoch's end (rayapp.train.link_probe).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rayapp.spec import TrainSpec
 from rayapp.tracking.logger import NullLogger
 from rayapp.tracking.run import TAG_PEAK_TFLOPS_SOURCE
 from rayapp.train.flops import Peak, device_peak
+from rayapp.train.link_probe import LinkProbe
 
 
 def step_to_count(train: TrainSpec) -> int | None:
@@ -56,6 +59,12 @@ class EpochEfficiency:
         self._steps, self._samples_seen = 0, 0
         self._peak: Peak | None = None
         self._ready_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._link_probe: LinkProbe | None = None
+
+    def place(self, node_ids: list[str], rank: int, timeout_s: float) -> None:
+        """Where every rank runs (their node ids, in rank order), for timing each node's link; a
+        collective, once per attempt."""
+        self._link_probe = LinkProbe(node_ids, rank, timeout_s)
 
     def watch(
         self, model: nn.Module, prepared: nn.Module, on_grads_ready: Callable[[], None]
@@ -115,9 +124,13 @@ class EpochEfficiency:
         all_flops, peak_tflops = total.tolist()
         tflops = all_flops / epoch_time_s / 1e12 if epoch_time_s > 0 else math.nan
         metrics = {"tflops_per_s": tflops, "peak_tflops": peak_tflops, "mfu": tflops / peak_tflops}
-        for other, (median, p95) in enumerate(gather_step_time_stats(step_times_s, self._device)):
+        link_s = self._link_probe.measure() if self._link_probe is not None else math.nan
+        gathered = gather_step_time_stats(step_times_s, self._device, link_s)
+        for other, (median, p95, link) in enumerate(gathered):
             metrics[f"rank{other}_step_time_median_s"] = median
             metrics[f"rank{other}_step_time_p95_s"] = p95
+            if math.isfinite(link):  # node leaders only
+                metrics[f"rank{other}_link_s"] = link
         return metrics
 
 
@@ -131,9 +144,13 @@ def step_time_stats(step_times_s: list[float]) -> tuple[float, float]:
     return statistics.median(step_times_s), p95
 
 
-def gather_step_time_stats(step_times_s: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's (median, p95), in rank order (a collective)."""
-    mine = torch.tensor(step_time_stats(step_times_s), dtype=torch.float64, device=device)
+def gather_step_time_stats(
+    step_times_s: list[float], device: torch.device, link_s: float = math.nan
+) -> list[list[float]]:
+    """Every rank's (median, p95, link_s), in rank order (a collective)."""
+    mine = torch.tensor(
+        [*step_time_stats(step_times_s), link_s], dtype=torch.float64, device=device
+    )
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     return [tensor.tolist() for tensor in gathered]

@@ -202,6 +202,9 @@ class WorkerState:
     def _record_placement(self) -> str:
         """Tag where every rank runs; returns this rank's node IP."""
         placed = collectives.placements(self.world_size)
+        if self.spec.train.script is None:  # a script's epochs are its own: no figures per epoch
+            node_ids = [node_id for node_id, _, _ in placed]
+            self._efficiency.place(node_ids, self.rank, self.spec.train.collective_timeout_s)
         self.logger.set_tags(
             {
                 TAG_NODE_IDS: ",".join(node_id for node_id, _, _ in placed),
