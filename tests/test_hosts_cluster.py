@@ -15,270 +15,41 @@ lost-node test takes a worker down, and the last one is `ray down`.
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_rayapp
+from conftest import REPO
+from hosts_fixtures import (
+    BIN,
+    GCS_RECONNECT_TIMEOUT_S,
+    HEAD,
+    MLFLOW,
+    STORAGE,
+    TWO_INTERFACES,
+    WORKER,
+    Cluster,
+    assert_trained_across_hosts,
+    end_group,
+    hosts_cluster,
+    ray_processes,
+    wait_until,
+)
 
-from rayapp.launch import netns, testhosts
-from rayapp.launch.testhosts import TestHost, TestHosts
 from rayapp.tracking.run import TAG_RESUMED_FROM_EPOCH
-from rayapp.train.socket_ifname import TAG_SOCKET_IFNAMES
+
+AGENT_REPORT_TIMEOUT_S = 60
+"""The fixed timeout of a Ray agent's report, to the GCS, that its raylet has ended."""
 
 pytestmark = pytest.mark.hosts
 
-HEAD, TWO_INTERFACES, WORKER, MLFLOW = range(4)
-MLFLOW_PORT = 5000
-STORAGE = "/mnt/rayapp-shared/checkpoints"
-"""RAYAPP_STORAGE_PATH in onprem.yaml: on the directory every host shares."""
-BIN = Path(sys.executable).parent
-RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray\.util\.client")
-
-
-@dataclass
-class Cluster:
-    hosts: TestHosts
-    config: Path
-    env: dict[str, str]
-    dashboard: str
-    """The Jobs API through `ray dashboard`'s SSH tunnel, as docs/clusters.md has users reach it."""
-    tracking_uri: str
-    ray_up_s: float
-
-    def host(self, index: int) -> TestHost:
-        return self.hosts.hosts[index]
-
-    @property
-    def ray_hosts(self) -> list[TestHost]:
-        return [self.host(HEAD), self.host(TWO_INTERFACES), self.host(WORKER)]
-
-    def submit(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        return run_rayapp(
-            "submit",
-            "--address",
-            self.dashboard,
-            "--tracking-uri",
-            self.tracking_uri,
-            "--storage-path",
-            STORAGE,
-            *args,
-            cwd=REPO,
-            env=self.env,
-            timeout=timeout,
-        )
-
-    def mlflow(self):
-        from mlflow.tracking import MlflowClient
-
-        return MlflowClient(self.tracking_uri)
-
-    def only_run(self, experiment: str):
-        client = self.mlflow()
-        found = client.get_experiment_by_name(experiment)
-        assert found is not None, f"experiment {experiment!r} is not on the MLflow server"
-        runs = client.search_runs([found.experiment_id])
-        assert len(runs) == 1, f"expected one run in {experiment!r}, found {len(runs)}"
-        return runs[0]
-
-
-def ray_processes(host: TestHost) -> dict[int, str]:
-    return {pid: cmd for pid, cmd in host.processes().items() if RAY_PROCESS.search(cmd)}
-
-
-def filled_onprem_config(hosts: TestHosts, directory: Path) -> Path:
-    """cluster_configs/onprem.yaml with its CHANGE-ME values filled in, and nothing else changed."""
-    head, workers, mlflow = hosts.hosts[HEAD], hosts.hosts[HEAD + 1 : MLFLOW], hosts.hosts[MLFLOW]
-    text = (REPO / "cluster_configs" / "onprem.yaml").read_text()
-    for old, new in [
-        ("head_ip: 10.0.0.10", f"head_ip: {head.address}"),
-        ("[10.0.0.11, 10.0.0.12]", "[" + ", ".join(w.address for w in workers) + "]"),
-        ("ssh_user: CHANGE-ME-user", f"ssh_user: {hosts.user}"),
-        # ssh reads ~ as the account's home, whatever HOME says: the key by its own path
-        ("ssh_private_key: ~/.ssh/id_ed25519", f"ssh_private_key: {hosts.key}"),
-        ("CHANGE-ME-mlflow-host", mlflow.address),
-    ]:
-        assert text.count(old) == 1, f"onprem.yaml no longer has {old!r}"
-        text = text.replace(old, new)
-    path = directory / "onprem.yaml"
-    path.write_text(text)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until(condition, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def accepts(address: str, port: int) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def end_group(process: subprocess.Popen | None) -> None:
-    """SIGTERM the process group a test started (then SIGKILL), by its pid."""
-    if process is None or process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Cluster:
-    try:
-        testhosts.check_can_make_hosts()
-    except testhosts.HostsError as error:
-        pytest.skip(str(error))
-    work = tmp_path_factory.mktemp("hosts")
-    ssh_dirs_before = set(Path("/tmp").glob("ray_ssh_*"))  # Ray's SSH control sockets
-    hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
-    mlflow_server = tunnel = None
-    config = None
-    # The laptop's home, with the cluster's token where onprem.yaml expects it.
-    home = work / "home"
-    home.mkdir()
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("RAY_", "MLFLOW_")) and key != "VIRTUAL_ENV"
-    }
-    env.update(HOME=str(home), PATH=f"{BIN}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0")
-    # `ray up` keeps the cluster's state (cluster-rayapp-onprem.state) under here, not /tmp/ray.
-    env["RAY_TMPDIR"] = str(work / "laptop-tmp")
-    (work / "laptop-tmp").mkdir()
-    try:
-        subprocess.run(
-            [BIN / "ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True
-        )
-        mlflow_host = hosts.hosts[MLFLOW]
-        address = f"{mlflow_host.address}:{MLFLOW_PORT}"
-        mlflow_server = mlflow_host.popen(
-            [
-                str(BIN / "mlflow"),
-                "server",
-                "--host",
-                mlflow_host.address,
-                "--port",
-                str(MLFLOW_PORT),
-                "--workers",
-                "1",
-                "--backend-store-uri",
-                "sqlite:////tmp/mlflow.db",
-                "--artifacts-destination",
-                "/tmp/mlartifacts",
-                # Clients name the server by its address; MLflow 3 refuses other Host headers.
-                "--allowed-hosts",
-                f"{address},{mlflow_host.address}",
-            ],
-            cwd="/",
-            env={**env, "HOME": "/root"},  # the host's own home
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=open(work / "mlflow.log", "wb"),  # noqa: SIM115 - the server keeps it
-        )
-        config = filled_onprem_config(hosts, work)
-        started = time.monotonic()
-        log = work / "ray-up.log"
-        with open(log, "w") as output:
-            try:
-                up = subprocess.run(
-                    [BIN / "ray", "up", "-y", "--no-config-cache", str(config)],
-                    cwd=REPO,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    timeout=240,
-                )
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"ray up took over 240 s:\n{log.read_text()[-4000:]}")
-        assert up.returncode == 0, f"ray up failed:\n{log.read_text()[-4000:]}"
-
-        # The head's autoscaler starts the workers over SSH after `ray up` returns.
-        def hosts_with_raylet() -> bool:
-            return all(
-                any("raylet" in cmd for cmd in ray_processes(host).values())
-                for host in hosts.hosts[:MLFLOW]
-            )
-
-        wait_until(hosts_with_raylet, 180, "a raylet on the head and both workers", interval=1)
-        ray_up_s = time.monotonic() - started
-        port = free_port()
-        tunnel = subprocess.Popen(
-            [BIN / "ray", "dashboard", "--port", str(port), str(config)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        wait_until(lambda: accepts("127.0.0.1", port), 60, "the dashboard tunnel")
-        wait_until(lambda: accepts(mlflow_host.address, MLFLOW_PORT), 90, "the MLflow server")
-        yield Cluster(
-            hosts=hosts,
-            config=config,
-            env=env,
-            dashboard=f"http://127.0.0.1:{port}",
-            tracking_uri=f"http://{address}",
-            ray_up_s=ray_up_s,
-        )
-    finally:
-        end_group(tunnel)
-        if config is not None:
-            subprocess.run(
-                [BIN / "ray", "down", "-y", str(config)],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                timeout=120,
-            )
-        end_group(mlflow_server)
-        testhosts.down()
-        for directory in set(Path("/tmp").glob("ray_ssh_*")) - ssh_dirs_before:
-            shutil.rmtree(directory, ignore_errors=True)
-    # Nothing made here is left: namespaces, links, sshd and Ray processes (their namespaces are
-    # gone, so any left would show in the machine's own process list).
-    assert testhosts.leftovers() == []
-    assert not testhosts.STATE_DIR.exists()
-    left = [
-        f"{pid}: {cmd}"
-        for pid, cmd in ((pid, netns.cmdline(pid)) for pid in _all_pids())
-        if cmd and (str(testhosts.STATE_DIR) in cmd or "198.18.0." in cmd)
-    ]
-    assert left == [], f"processes of the test hosts are left: {left}"
-
-
-def _all_pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    yield from hosts_cluster(tmp_path_factory)
 
 
 def test_ray_up_starts_a_head_and_two_workers_over_ssh(cluster: Cluster):
@@ -308,18 +79,6 @@ def test_ray_up_starts_a_head_and_two_workers_over_ssh(cluster: Cluster):
         )
         assert host.path("/root/.ray/auth_token").stat().st_mode & 0o777 == 0o600
     print(f"ray up until every raylet ran: {cluster.ray_up_s:.1f} s")
-
-
-def assert_trained_across_hosts(cluster: Cluster, run, nodes: int) -> list[str]:
-    """The run's facts from the MLflow server: finished, `nodes` distinct hosts, Gloo on eth0."""
-    assert run.info.status == "FINISHED", run.info.status
-    ips = run.data.tags["rayapp.node_ips"].split(",")
-    assert len(ips) == nodes and len(set(ips)) == nodes, ips
-    assert set(ips) <= {host.address for host in cluster.ray_hosts}, ips
-    # Every rank's Gloo bound the interface holding its node's Ray address, not loopback (where
-    # the host name points) nor the second interface of the host that has two.
-    assert run.data.tags[TAG_SOCKET_IFNAMES].split(",") == ["eth0"] * nodes, run.data.tags
-    return ips
 
 
 def checkpoint_dirs(cluster: Cluster, run) -> list[Path]:
@@ -427,14 +186,16 @@ def test_ray_down_leaves_no_ray_process_on_any_host(cluster: Cluster):
     )
     assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
     # `ray down` stops Ray on the head; a local provider's workers it only marks as terminated,
-    # and their raylets (and agents) exit once they have lost the head for Ray's GCS reconnect
-    # timeout (60 s). Ray's log monitor on a worker outlives them (measured: over 2 minutes);
-    # it holds no port or resource, and the `ray stop` that begins worker_start_ray_commands
-    # ends it at the next `ray up` (onprem.yaml says so).
+    # and their raylets exit once they have lost the head for Ray's GCS reconnect timeout (Ray's
+    # 60 s; GCS_RECONNECT_TIMEOUT_S on the test hosts). The raylet's agents (dashboard, runtime
+    # env) follow a minute later: they report the raylet's end to the GCS, which is gone, and wait
+    # out that call's fixed 60 s. Ray's log monitor on a worker outlives them (measured: over 2
+    # minutes); it holds no port or resource, and the `ray stop` that begins
+    # worker_start_ray_commands ends it at the next `ray up` (onprem.yaml says so).
     wait_until(lambda: ray_processes(cluster.host(HEAD)) == {}, 30, "Ray to stop on the head")
     for host in cluster.hosts.hosts:
         wait_until(
             lambda h=host: not [c for c in ray_processes(h).values() if "log_monitor" not in c],
-            120,
+            GCS_RECONNECT_TIMEOUT_S + AGENT_REPORT_TIMEOUT_S + 20,
             f"Ray to stop on {host.address}",
         )
