@@ -40,10 +40,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_rayapp(
-    *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = 600,
+    env: dict | None = None,
+    inherit_env: bool = True,
 ) -> subprocess.CompletedProcess:
-    """The installed CLI in a child process, as a user would run it."""
-    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    """The installed CLI in a child process, as a user would run it: in this process's environment
+    with `env` on top, or, with inherit_env=False, in `env` alone (a test of another machine's
+    user, whom a token or variable set here by an earlier in-process test must not reach)."""
+    full_env = (
+        {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} if inherit_env else {}
+    )
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "rayapp", *args],

@@ -67,6 +67,7 @@ class Cluster:
             *args,
             cwd=REPO,
             env=self.env,
+            inherit_env=False,  # the laptop's environment only, as start_submit
             timeout=timeout,
         )
 

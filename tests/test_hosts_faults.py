@@ -290,7 +290,7 @@ def test_a_slow_link_is_named_by_doctor_and_by_compare(cluster: Cluster):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     compare = run_rayapp(
         "compare", "--experiment", "hosts-slow-link", "--tracking-uri", cluster.tracking_uri,
-        "--format", "json", cwd=REPO, env=cluster.env, timeout=120,
+        "--format", "json", cwd=REPO, env=cluster.env, inherit_env=False, timeout=120,
     )  # fmt: skip
     assert compare.returncode == 0, compare.stdout[-2000:] + compare.stderr[-2000:]
     (row,) = json.loads(compare.stdout)
