@@ -195,6 +195,26 @@ def test_a_rank_whose_heartbeat_stopped_is_silent_one_that_waits_is_not():
     assert verdict.hung_ranks == (1,) and verdict.where[1] == "cut off"
 
 
+def test_a_silent_rank_is_the_culprit_whatever_the_others_are_caught_doing():
+    # Rank 0 waits for the cut-off rank 1 in Ray Train's report, not in torch.distributed: by
+    # the stacks alone neither stands apart, but only rank 1 stopped beating.
+    in_report = (
+        'Thread 7 (idle): "TrainingThread(f)"\n    report (/x/ray/train/v2/api/train_fn.py:3)\n'
+    )
+    ranks = {
+        0: {"thread_id": 7, "node_ip": "198.18.0.2"},
+        1: {"node_ip": "198.18.0.3", "silent": True, "no_stack": "no heartbeat for 30 s"},
+    }
+    verdict = judge({0: in_report}, ranks)
+    assert verdict.hung_ranks == (1,) and verdict.waiting_ranks == (0,)
+    assert verdict.culprits() == "rank 1 (node 198.18.0.3)"
+    assert "no heartbeat for 30 s" in verdict.summary()
+    # Every rank silent (the driver's own node cut off): none is singled out.
+    for report in ranks.values():
+        report.update(silent=True, no_stack="no heartbeat")
+    assert judge({}, ranks).hung_ranks == (0, 1)
+
+
 TIMING_OUT = """
 import sys, time
 from datetime import timedelta

@@ -172,8 +172,8 @@ class Verdict:
 
 def judge(stacks: Mapping[int, str], ranks: Mapping[int, Mapping[str, Any]]) -> Verdict:
     """Compare every rank's training thread. `stacks`: rank -> dump text ("" when none was
-    read); `ranks`: rank -> its heartbeat report (node_ip, thread ids, and ``no_stack``: why
-    none was read, where that is known)."""
+    read); `ranks`: rank -> its heartbeat report (node_ip, thread ids, ``no_stack``: why none
+    was read, where that is known, and ``silent``: its heartbeats stopped)."""
     where: dict[int, str] = {}
     collectives: dict[int, str | None] = {}
     for rank in sorted(ranks):
@@ -190,6 +190,13 @@ def judge(stacks: Mapping[int, str], ranks: Mapping[int, Mapping[str, Any]]) -> 
     collective = counts.most_common(1)[0][0] if counts else None
     waiting = tuple(rank for rank, c in collectives.items() if c is not None and c == collective)
     apart = tuple(rank for rank in collectives if rank not in waiting)
+    silent = tuple(rank for rank in sorted(ranks) if ranks[rank].get("silent"))
+    if silent and len(silent) < len(ranks):
+        # A rank whose heartbeats stopped while others still beat is the culprit, whatever the
+        # others were caught doing: its node is gone or cut off, and they wait for it, in a
+        # collective or in Ray Train's own report (which is not torch.distributed's).
+        waiting = tuple(rank for rank in sorted(ranks) if rank not in silent)
+        apart = silent
     return Verdict(
         hung_ranks=apart or tuple(sorted(ranks)),
         waiting_ranks=waiting,

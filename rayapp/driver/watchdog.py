@@ -194,6 +194,7 @@ class HangWatch:
         # stacks.TASK_TIMEOUT_S, and the end of the hang with it): it is named for what it is.
         silent = silent_ranks(ranks, self.heartbeat_s)
         for rank in silent:
+            ranks[rank]["silent"] = True
             ranks[rank]["no_stack"] = (
                 f"no heartbeat for {ranks[rank]['silent_s']:.0f} s: its process or node is gone, "
                 "or cut off from the network"
