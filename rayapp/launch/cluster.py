@@ -5,7 +5,8 @@ so Ray sees N distinct nodes and Ray Train assigns node_rank 0..N-1 as it would 
 127.0.0.1 itself is not used: Ray rewrites it to the machine's outward address.
 
 Each node runs in a process session of its own; teardown signals exactly those sessions, so
-no other Ray cluster on the machine is touched.
+no other Ray cluster on the machine is touched. A guard process (rayapp.launch.cluster_guard)
+stops the nodes if the process that started them dies without stopping them (SIGKILL, OOM).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from rayapp.errors import RayappError
 from rayapp.launch import ray_auth
-from rayapp.launch.processes import descendants, kill_and_wait, start_time
+from rayapp.launch.cluster_guard import ClusterGuard
+from rayapp.launch.processes import STOP_TIMEOUT_S, descendants, kill_and_wait, start_time
 
 # Ray enables token authentication for local clusters. One token per driver process: Ray's
 # client caches the token it first loads, so every embedded cluster this process starts
@@ -36,7 +38,6 @@ _PROCESS_TOKEN = secrets.token_hex(32)
 FIRST_NODE_IP_SUFFIX = 2
 NODE_START_TIMEOUT_S = 120.0
 OBJECT_STORE_BYTES = 256 * 2**20
-STOP_TIMEOUT_S = 15.0
 # On SIGTERM, `ray start --block` first drains its node for up to 30 s so that Ray Serve can move
 # traffic away. The head node never finishes draining (the GCS keeps it busy), so every stop()
 # sat out STOP_TIMEOUT_S and then SIGKILLed the head's daemons: 15 s added to every submit.
@@ -92,6 +93,7 @@ class EmbeddedCluster:
     _temp_dir: str | None = None
     _node_temp_dirs: list[str] = field(default_factory=list)
     _owns_log_dir: bool = False
+    _guard: ClusterGuard | None = None
 
     @property
     def auth_env(self) -> dict[str, str]:
@@ -115,7 +117,9 @@ class EmbeddedCluster:
 
     def detach(self) -> None:
         """Forget the nodes without stopping them: they run on after this process exits (a warm
-        cluster), and :func:`stop_leaders` stops them later from any process."""
+        cluster), and :func:`rayapp.launch.processes.stop_leaders` stops them later from any
+        process."""
+        self._release_guard()
         self._processes.clear()
         self._temp_dir, self._node_temp_dirs, self._owns_log_dir = None, [], False
 
@@ -142,6 +146,8 @@ class EmbeddedCluster:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rayapp-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
+        self._guard = ClusterGuard(log_dir / "guard.log")
+        self._guard.remove_on_exit(self._temp_dir)
         port = free_port()
         self.address = f"{self.head_ip}:{port}"
         head_args = [
@@ -173,6 +179,8 @@ class EmbeddedCluster:
         if index > 0:
             self._node_temp_dirs.append(tempfile.mkdtemp(prefix="rayapp-"))
             args.append(f"--temp-dir={self._node_temp_dirs[-1]}")
+            if self._guard is not None:
+                self._guard.remove_on_exit(self._node_temp_dirs[-1])
         command = [
             _ray_executable(),
             "start",
@@ -211,6 +219,8 @@ class EmbeddedCluster:
             env=env,
         )
         log.close()
+        if self._guard is not None:
+            self._guard.watch_leader(process.pid)
         if index < len(self._processes):
             self._processes[index] = process  # a lost node started again
         else:
@@ -335,12 +345,18 @@ class EmbeddedCluster:
                 process.wait(timeout=5)
         self._processes.clear()
         kill_and_wait(tree, timeout_s=STOP_TIMEOUT_S)
+        self._release_guard()  # only now: should this process die while stopping, it finishes
         if self._owns_log_dir and not keep_logs and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         for directory in [self._temp_dir, *self._node_temp_dirs]:
             if directory:
                 shutil.rmtree(directory, ignore_errors=True)
         self._temp_dir, self._node_temp_dirs = None, []
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release()
+            self._guard = None
 
 
 def auth_env(token: str) -> dict[str, str]:
@@ -355,28 +371,6 @@ def use_token(token: str) -> None:
     """
     os.environ.update(auth_env(token))
     ray_auth.reload_settings(forget_token=True)
-
-
-def stop_leaders(leaders: dict[int, str]) -> None:
-    """Stop nodes this process did not start (a warm cluster's), as :meth:`EmbeddedCluster.stop`
-    does: SIGTERM each `ray start --block` leader, SIGKILL what is left of its session and of every
-    process below it. Only these pids, and only while their start time still matches."""
-    live = {pid: started for pid, started in leaders.items() if start_time(pid) == started}
-    tree = descendants(list(live))
-    for pid in reversed(list(live)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while (
-        any(start_time(pid) == started for pid, started in live.items())
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.1)
-    for pid, started in live.items():
-        if start_time(pid) == started:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # each leader leads its own session: pgid == pid
-    kill_and_wait({**tree, **live}, timeout_s=STOP_TIMEOUT_S)
 
 
 def _signal_session(process: subprocess.Popen, sig: int) -> None:

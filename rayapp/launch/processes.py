@@ -13,6 +13,10 @@ import time
 
 import psutil
 
+STOP_TIMEOUT_S = 15.0
+"""How long a node's `ray start --block` leader gets to stop its daemons after SIGTERM, and its
+processes to exit after SIGKILL."""
+
 
 def start_time(pid: int) -> str | None:
     """The process's start time (milliseconds since the epoch, as text), or None once it has
@@ -59,3 +63,26 @@ def kill_and_wait(tree: dict[int, str], *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while survivors() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def stop_leaders(leaders: dict[int, str]) -> None:
+    """Stop embedded-cluster nodes this process did not start (a warm cluster's, or those of an
+    owner that died), as :meth:`EmbeddedCluster.stop` does: SIGTERM each `ray start --block` leader,
+    SIGKILL what is left of its session and of every process below it. Only these pids, and only
+    while their start time still matches."""
+    live = {pid: started for pid, started in leaders.items() if start_time(pid) == started}
+    tree = descendants(list(live))
+    for pid in reversed(list(live)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while (
+        any(start_time(pid) == started for pid, started in live.items())
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    for pid, started in live.items():
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # each leader leads its own session: pgid == pid
+    kill_and_wait({**tree, **live}, timeout_s=STOP_TIMEOUT_S)

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rayapp.errors import RayappError
-from rayapp.launch.cluster import EmbeddedCluster, auth_env, start_time, stop_leaders, use_token
+from rayapp.launch.cluster import EmbeddedCluster, auth_env, start_time, use_token
+from rayapp.launch.processes import stop_leaders
 from rayapp.spec import SpecError
 
 STATE_DIR_ENV = "RAYAPP_STATE_DIR"
