@@ -3,12 +3,22 @@ is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import alive, cmdline, connect, descendants
 
-from rayapp.launch.cluster import EmbeddedCluster
+from rayapp.launch.cluster import OBJECT_STORE_BYTES, EmbeddedCluster, free_port
+from rayapp.launch.processes import start_time, stop_leaders
 
 pytestmark = pytest.mark.integration
 
@@ -60,42 +70,109 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
     assert [leader.returncode for leader in leaders] == [1, 1], "a node was SIGKILLed, not stopped"
 
 
+@contextlib.contextmanager
+def users_own_cluster() -> Iterator[str]:
+    """A user's own `ray start --head` beside rayapp's clusters, without token auth (what `ray
+    start` gives where no token file exists); yields its dashboard's URL once its State API
+    answers. Its records (temp dir) are its own, and it is stopped, every process of it, on exit."""
+    temp_dir = tempfile.mkdtemp(prefix="rayapp-")  # short: Ray's socket paths live below it
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("RAY_AUTH_", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"))
+    }
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # stop at once, not after a 30 s drain
+    dashboard_url = f"http://127.0.0.1:{free_port()}"
+    command = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.250",  # apart from the embedded nodes (127.0.0.2, ...)
+        f"--port={free_port()}",
+        "--num-cpus=0",
+        f"--object-store-memory={OBJECT_STORE_BYTES}",
+        f"--temp-dir={temp_dir}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_url.rsplit(':', 1)[1]}",
+        f"--dashboard-agent-listen-port={free_port()}",
+    ]
+    log_path = Path(temp_dir) / "ray-start.log"
+    with open(log_path, "w") as log:
+        leader = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    started = start_time(leader.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{dashboard_url}/api/v0/actors?limit=1", timeout=5):
+                    break
+            except OSError:
+                if leader.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the user's own cluster did not start: {log_path.read_text()}")
+                time.sleep(1)
+        yield dashboard_url
+    finally:
+        if started is not None:
+            stop_leaders({leader.pid: started})
+        leader.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
     """Ray Train's placement-group cleaner asks Ray's State API about the controller once a second,
-    from a worker, with no address: Ray then takes RAY_ADDRESS, else the last cluster `ray start`
-    recorded in /tmp/ray. Here the shell names another cluster, one that is gone (as a stale record
-    would): unless the nodes carry their own cluster's address, every lookup waits out its timeout
-    and each run's end waits for the cleaner (12 s). With the dashboard, whose State API answers."""
+    from a worker, with no address: Ray then takes RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else
+    the last cluster `ray start` recorded in /tmp/ray. Here the shell names other clusters:
+    RAY_ADDRESS one that is gone (as a stale record would: every lookup waits out its timeout and
+    each run's end waits for the cleaner, 12 s), and RAY_API_SERVER_ADDRESS the dashboard of the
+    user's own cluster, running beside ours, as `ray start --head` tells its users to set it. That
+    cluster knows none of our actors: its "not found" would tell the cleaner that the controller is
+    dead, and the cleaner would remove the placement group of a training still running, killing its
+    workers. Unless the nodes carry their own cluster's addresses. With the dashboard, whose State
+    API answers."""
     import ray
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens on the discard port
-    cluster = EmbeddedCluster(nodes=2, cpus_per_node=1, include_dashboard=True)
-    cluster.start()
-    try:
-        connect(cluster)
+    with users_own_cluster() as users_dashboard:
+        monkeypatch.setenv("RAY_API_SERVER_ADDRESS", users_dashboard)
+        cluster = EmbeddedCluster(nodes=2, cpus_per_node=1, include_dashboard=True)
+        cluster.start()
+        try:
+            connect(cluster)
 
-        @ray.remote(num_cpus=0)
-        class Asker:
-            def ask_about_itself(self) -> tuple[str, str]:
-                import time
+            @ray.remote(num_cpus=0)
+            class Asker:
+                def ask_about_itself(self) -> tuple[str, str, str]:
+                    from ray.util.state import get_actor
 
-                from ray.util.state import get_actor
+                    addresses = f"RAY_API_SERVER_ADDRESS={os.environ.get('RAY_API_SERVER_ADDRESS')}"
+                    addresses += f" RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
+                    own_id = ray.get_runtime_context().get_actor_id()
+                    assert own_id is not None  # asked from inside an actor
+                    deadline = time.monotonic() + 60
+                    while True:  # the dashboard's HTTP server comes up some seconds after the nodes
+                        try:
+                            state = get_actor(own_id, timeout=5)
+                            return addresses, state.state if state else "not found", ""
+                        except Exception as exc:
+                            if time.monotonic() > deadline:
+                                return addresses, "no answer", f"{type(exc).__name__}: {exc}"
+                            time.sleep(1)
 
-                deadline = time.monotonic() + 60
-                while True:  # the dashboard's HTTP server comes up some seconds after the nodes
-                    try:
-                        state = get_actor(ray.get_runtime_context().get_actor_id(), timeout=5)
-                        return os.environ.get(
-                            "RAY_ADDRESS", ""
-                        ), state.state if state else "not found"
-                    except Exception as exc:
-                        if time.monotonic() > deadline:
-                            return os.environ.get("RAY_ADDRESS", ""), f"{type(exc).__name__}: {exc}"
-                        time.sleep(1)
-
-        actors = [Asker.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
-        answers = ray.get([actor.ask_about_itself.remote() for actor in actors], timeout=120)
-    finally:
-        ray.shutdown()
-        cluster.stop()
-    assert answers == [(cluster.address, "ALIVE")] * 2
+            actors = [Asker.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
+            answers = ray.get([actor.ask_about_itself.remote() for actor in actors], timeout=120)
+        finally:
+            ray.shutdown()
+            cluster.stop()
+    own = f"RAY_API_SERVER_ADDRESS={cluster.address} RAY_ADDRESS={cluster.address}"
+    assert answers == [(own, "ALIVE", "")] * 2

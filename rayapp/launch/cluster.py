@@ -193,14 +193,10 @@ class EmbeddedCluster:
             *args,
         ]
         log = open(self._node_log(index), "a")
-        # RAY_ADDRESS: Ray's lookups of "the cluster" from a worker (the State API, which Ray
-        # Train's placement-group cleaner asks every second) find this one, not the one the last
-        # plain `ray start` named in /tmp/ray: if gone, each lookup waited 10 s, and every run's end
-        # with it.
         env = dict(
             os.environ,
             RAY_USAGE_STATS_ENABLED="0",
-            RAY_ADDRESS=self.address,
+            **own_cluster_env(self.address),
             **self.auth_env,
             **_NO_DRAIN_ON_SIGTERM,
             **_FAST_NODE_DEATH,
@@ -357,6 +353,23 @@ class EmbeddedCluster:
         if self._guard is not None:
             self._guard.release()
             self._guard = None
+
+
+def own_cluster_env(address: str) -> dict[str, str]:
+    """The addresses every process of a node's (workers included) takes for "the cluster" when
+    Ray looks it up without one: the cluster's own GCS address, whatever the shell says.
+
+    Ray Train's placement-group cleaner asks Ray's State API once a second, with no address,
+    whether the training's controller is alive, and removes the training's placement group,
+    killing its workers, as soon as the answer is "dead" or "not found". Without an address the
+    State API (ray.dashboard.utils.get_address_for_submission_client) takes
+    RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else the cluster the last plain `ray start` recorded
+    in /tmp/ray. `ray start --head` tells its users to set RAY_API_SERVER_ADDRESS to their own
+    cluster's dashboard: inherited by our nodes, that cluster, knowing none of our actors, would
+    answer "not found" and the cleaner would end a running training. A gone cluster named there
+    made each lookup wait out its timeout, and every run's end with it. Given a GCS address, Ray
+    reads the API server's address from that cluster itself."""
+    return {"RAY_API_SERVER_ADDRESS": address, "RAY_ADDRESS": address}
 
 
 def auth_env(token: str) -> dict[str, str]:
