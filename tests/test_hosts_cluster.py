@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_rayapp
 from hosts_fixtures import (
     BIN,
     GCS_RECONNECT_TIMEOUT_S,
@@ -125,6 +125,30 @@ def test_users_code_directory_reaches_hosts_without_the_laptops_files(cluster: C
         ).removeprefix("/tmp/ray/")
         unpacked_into = session / "runtime_resources" / "working_dir_files"
         assert unpacked_into.is_dir(), f"no working_dir was unpacked on {host.address}"
+
+
+def test_a_node_local_storage_path_is_one_line_naming_the_nodes_before_training(cluster: Cluster):
+    # /tmp is private to each host: the driver (on the head) writes its marker into its own /tmp.
+    local = "/tmp/rayapp-local-checkpoints"
+    experiment = "hosts-local-storage"
+    result = run_rayapp(
+        "submit", "--address", cluster.dashboard, "--tracking-uri", cluster.tracking_uri,
+        "--storage-path", local, "--nodes", "2", "--epochs", "1", "--experiment", experiment,
+        "jobs/digits_mlp.yaml", cwd=REPO, env=cluster.env, inherit_env=False, timeout=240,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    (line,) = [line for line in output.splitlines() if "is not shared storage" in line]
+    head, others = cluster.host(HEAD).address, [cluster.host(i) for i in (TWO_INTERFACES, WORKER)]
+    assert f"--storage-path '{local}'" in line and f"driver on {head}" in line, line
+    for host in others:
+        assert host.address in line, line
+        assert not host.path(local).exists(), f"{host.address} got {local} before the check"
+    # Nothing trained: no run on the server, and the driver took its marker away again.
+    found = cluster.mlflow().get_experiment_by_name(experiment)
+    assert found is None or cluster.mlflow().search_runs([found.experiment_id]) == []
+    assert list(cluster.host(HEAD).path(local).glob(".rayapp-shared-check-*")) == []
 
 
 def test_a_worker_host_lost_mid_run_resumes_from_the_shared_checkpoint(cluster: Cluster):
