@@ -243,28 +243,20 @@ def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     which needs no token)."""
     import requests
 
-    try:
-        requests.get(f"{address}/api/healthz", timeout=timeout_s)
-    except requests.exceptions.ConnectTimeout:
-        raise RayappError(
-            f"no answer from {address} within {timeout_s:g} s: nothing took the connection "
-            "(a wrong address, a head that is down, or a firewall dropping the port); "
-            f"{TUNNEL_HINT}"
-        ) from None
-    except requests.exceptions.ReadTimeout:
-        raise RayappError(
-            f"{address} took the connection but sent no answer within {timeout_s:g} s; "
-            "is it the head's dashboard (port 8265)?"
-        ) from None
-    except requests.exceptions.ConnectionError:
-        raise RayappError(
-            f"cannot reach the Ray Jobs API at {address}: nothing answers there; {TUNNEL_HINT}"
-        ) from None
-    except requests.exceptions.RequestException as exc:
-        raise RayappError(
-            f"cannot reach the Ray Jobs API at {address} ({type(exc).__name__}: "
-            f"{first_line(exc)}); {TUNNEL_HINT}"
-        ) from None
+    with api_errors(address):  # a refused connection or a bad URL: said as for any request
+        try:
+            requests.get(f"{address}/api/healthz", timeout=timeout_s)
+        except requests.exceptions.ConnectTimeout:
+            raise RayappError(
+                f"no answer from {address} within {timeout_s:g} s: nothing took the connection "
+                "(a wrong address, a head that is down, or a firewall dropping the port); "
+                f"{TUNNEL_HINT}"
+            ) from None
+        except requests.exceptions.ReadTimeout:
+            raise RayappError(
+                f"{address} took the connection but sent no answer within {timeout_s:g} s; "
+                "is it the head's dashboard (port 8265)?"
+            ) from None
 
 
 def cluster_ray_version(address: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
