@@ -20,6 +20,9 @@ from conftest import alive, cmdline, connect, descendants
 from rayapp.launch.cluster import OBJECT_STORE_BYTES, EmbeddedCluster, free_port
 from rayapp.launch.processes import start_time, stop_leaders
 
+DEFAULT_DASHBOARD_PORT = 8265
+"""Where a plain `ray start --head` serves its dashboard."""
+
 pytestmark = pytest.mark.integration
 
 
@@ -71,10 +74,11 @@ def test_stop_returns_only_after_every_cluster_process_has_exited():
 
 
 @contextlib.contextmanager
-def users_own_cluster() -> Iterator[str]:
+def users_own_cluster(dashboard_port: int | None) -> Iterator[str]:
     """A user's own `ray start --head` beside rayapp's clusters, without token auth (what `ray
-    start` gives where no token file exists); yields its dashboard's URL once its State API
-    answers. Its records (temp dir) are its own, and it is stopped, every process of it, on exit."""
+    start` gives where no token file exists), its dashboard on dashboard_port (None: Ray's default,
+    8265); yields the dashboard's URL once its State API answers. Its records (temp dir) are its
+    own, and it is stopped, every process of it, on exit."""
     temp_dir = tempfile.mkdtemp(prefix="rayapp-")  # short: Ray's socket paths live below it
     env = {
         name: value
@@ -83,7 +87,7 @@ def users_own_cluster() -> Iterator[str]:
     }
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # stop at once, not after a 30 s drain
-    dashboard_url = f"http://127.0.0.1:{free_port()}"
+    dashboard_url = f"http://127.0.0.1:{dashboard_port or DEFAULT_DASHBOARD_PORT}"
     command = [
         str(Path(sys.executable).with_name("ray")),
         "start",
@@ -97,7 +101,7 @@ def users_own_cluster() -> Iterator[str]:
         f"--temp-dir={temp_dir}",
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard_url.rsplit(':', 1)[1]}",
+        *([f"--dashboard-port={dashboard_port}"] if dashboard_port else []),
         f"--dashboard-agent-listen-port={free_port()}",
     ]
     log_path = Path(temp_dir) / "ray-start.log"
@@ -129,6 +133,38 @@ def users_own_cluster() -> Iterator[str]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def ask_workers_about_themselves(workers: int, patience_s: float) -> list[tuple[str, str, str]]:
+    """Each of `workers` actors, one per node, asks Ray's State API about itself as Ray Train's
+    placement-group cleaner asks about the controller: ray.util.state.get_actor without an address.
+    Each answers (the addresses it was given, the state found or "not found" or "no answer", the
+    error), retrying errors for patience_s (a dashboard's HTTP server comes up some seconds after
+    the nodes)."""
+    import ray
+
+    class Asker:
+        def ask_about_itself(self) -> tuple[str, str, str]:
+            from ray.util.state import get_actor
+
+            addresses = f"RAY_API_SERVER_ADDRESS={os.environ.get('RAY_API_SERVER_ADDRESS')}"
+            addresses += f" RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
+            own_id = ray.get_runtime_context().get_actor_id()
+            assert own_id is not None  # asked from inside an actor
+            deadline = time.monotonic() + patience_s
+            while True:
+                try:
+                    state = get_actor(own_id, timeout=5)
+                    return addresses, state.state if state else "not found", ""
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        return addresses, "no answer", f"{type(exc).__name__}: {exc}"
+                    time.sleep(1)
+
+    asker = ray.remote(num_cpus=0)(Asker)
+    actors = [asker.options(scheduling_strategy="SPREAD").remote() for _ in range(workers)]
+    asks = [actor.ask_about_itself.remote() for actor in actors]  # type: ignore[attr-defined]
+    return ray.get(asks, timeout=120)
+
+
 def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
     """Ray Train's placement-group cleaner asks Ray's State API about the controller once a second,
     from a worker, with no address: Ray then takes RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else
@@ -143,36 +179,36 @@ def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
     import ray
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens on the discard port
-    with users_own_cluster() as users_dashboard:
+    with users_own_cluster(free_port()) as users_dashboard:
         monkeypatch.setenv("RAY_API_SERVER_ADDRESS", users_dashboard)
         cluster = EmbeddedCluster(nodes=2, cpus_per_node=1, include_dashboard=True)
         cluster.start()
         try:
             connect(cluster)
-
-            @ray.remote(num_cpus=0)
-            class Asker:
-                def ask_about_itself(self) -> tuple[str, str, str]:
-                    from ray.util.state import get_actor
-
-                    addresses = f"RAY_API_SERVER_ADDRESS={os.environ.get('RAY_API_SERVER_ADDRESS')}"
-                    addresses += f" RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
-                    own_id = ray.get_runtime_context().get_actor_id()
-                    assert own_id is not None  # asked from inside an actor
-                    deadline = time.monotonic() + 60
-                    while True:  # the dashboard's HTTP server comes up some seconds after the nodes
-                        try:
-                            state = get_actor(own_id, timeout=5)
-                            return addresses, state.state if state else "not found", ""
-                        except Exception as exc:
-                            if time.monotonic() > deadline:
-                                return addresses, "no answer", f"{type(exc).__name__}: {exc}"
-                            time.sleep(1)
-
-            actors = [Asker.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
-            answers = ray.get([actor.ask_about_itself.remote() for actor in actors], timeout=120)
+            answers = ask_workers_about_themselves(workers=2, patience_s=60)
         finally:
             ray.shutdown()
             cluster.stop()
     own = f"RAY_API_SERVER_ADDRESS={cluster.address} RAY_ADDRESS={cluster.address}"
     assert answers == [(own, "ALIVE", "")] * 2
+
+
+def test_without_the_dashboard_state_lookups_never_reach_another_cluster():
+    """Without the dashboard the head serves no State API, yet Ray records an address for it in
+    the cluster, where the workers' lookups go. A plain `ray start --head` begun afterwards on this
+    machine, its dashboard on Ray's default port, must not be asked in our cluster's stead: it knows
+    none of our actors, and its "not found" would make Ray Train's placement-group cleaner remove a
+    running training's placement group. The lookup is refused instead, which the cleaner takes for
+    a State API not up yet (it keeps watching)."""
+    import ray
+
+    cluster = EmbeddedCluster(nodes=1, cpus_per_node=1)
+    cluster.start()
+    try:
+        connect(cluster)
+        with users_own_cluster(None):
+            [(_, answer, error)] = ask_workers_about_themselves(workers=1, patience_s=0)
+    finally:
+        ray.shutdown()
+        cluster.stop()
+    assert (answer, error.split(":")[0]) == ("no answer", "ServerUnavailable"), error

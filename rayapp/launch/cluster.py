@@ -150,15 +150,23 @@ class EmbeddedCluster:
         self._guard.remove_on_exit(self._temp_dir)
         port = free_port()
         self.address = f"{self.head_ip}:{port}"
+        # A dashboard port of the cluster's own even without the dashboard: Ray then serves nothing
+        # there but still records host:port in the cluster as its API server's address, and the
+        # workers' State API lookups (Ray Train's placement-group cleaner, once a second) go there.
+        # Left at Ray's default, 127.0.0.1:8265, they reached the cluster a plain `ray start
+        # --head` began later on this machine, which knows none of our actors: its "not found"
+        # made the cleaner remove a running training's placement group. Here they are refused,
+        # which the cleaner takes for a State API not up yet.
+        dashboard_port = free_port()
         head_args = [
             "--head",
             f"--port={port}",
             f"--temp-dir={self._temp_dir}",
             f"--include-dashboard={'true' if self.include_dashboard else 'false'}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
         ]
         if self.include_dashboard:
-            dashboard_port = free_port()
-            head_args += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
             self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
         self._start_node(0, head_args)
         self._wait_for_head()
