@@ -150,13 +150,11 @@ class EmbeddedCluster:
         self._guard.remove_on_exit(self._temp_dir)
         port = free_port()
         self.address = f"{self.head_ip}:{port}"
-        # A dashboard port of the cluster's own even without the dashboard: Ray then serves nothing
-        # there but still records host:port in the cluster as its API server's address, and the
-        # workers' State API lookups (Ray Train's placement-group cleaner, once a second) go there.
-        # Left at Ray's default, 127.0.0.1:8265, they reached the cluster a plain `ray start
-        # --head` began later on this machine, which knows none of our actors: its "not found"
-        # made the cleaner remove a running training's placement group. Here they are refused,
-        # which the cleaner takes for a State API not up yet.
+        # A dashboard port of our own even without the dashboard: Ray records it as the API
+        # server's address, where Ray Train's placement-group cleaner asks once a second. At Ray's
+        # default, 127.0.0.1:8265, a later plain `ray start --head` answered "not found" for our
+        # controller and the cleaner removed a running training's placement group; here the
+        # lookups are refused, which the cleaner takes for a State API not up yet.
         dashboard_port = free_port()
         head_args = [
             "--head",
