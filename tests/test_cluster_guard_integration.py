@@ -123,6 +123,7 @@ def test_a_killed_owners_nodes_stop_by_themselves():
         owner.clean_up()
 
 
+@pytest.mark.slow  # 20-30 s: outside the README command's 15 minutes, run by .ci/run
 def test_a_detached_cluster_outlives_its_killed_starter():
     owner = Owner("detach")
     try:

@@ -193,6 +193,7 @@ def test_ray_state_lookups_from_a_worker_find_their_own_cluster(monkeypatch):
     assert answers == [(own, "ALIVE", "")] * 2
 
 
+@pytest.mark.slow  # 20-30 s: outside the README command's 15 minutes, run by .ci/run
 def test_without_the_dashboard_state_lookups_never_reach_another_cluster():
     """Without the dashboard the head serves no State API, yet Ray records an address for it in
     the cluster, where the workers' lookups go. A plain `ray start --head` begun afterwards on this

@@ -275,6 +275,7 @@ def group(rank: int, world: int, port: int, out: dict, directory: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 20-30 s: outside the README command's 15 minutes, run by .ci/run
 def test_mesh_strategies_train_to_ddps_weights_and_hsdp_resumes_on_another_shape(tmp_path):
     directory = str(tmp_path / "checkpoint")
     Path(directory).mkdir()

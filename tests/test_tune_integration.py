@@ -192,6 +192,7 @@ def test_ctrl_c_saves_the_sweep_and_resume_finishes_it_in_the_same_runs(workdir:
     }
 
 
+@pytest.mark.slow  # 20-30 s: outside the README command's 15 minutes, run by .ci/run
 def test_asha_is_refused_on_a_cluster_without_the_state_api(workdir: Path):
     """A cluster whose dashboard is off cannot free a stopped trial's CPUs: the sweep is refused
     in one line before any trial starts, instead of waiting for ever."""
