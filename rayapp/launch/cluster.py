@@ -29,6 +29,7 @@ from pathlib import Path
 from rayapp.errors import RayappError
 from rayapp.launch import ray_auth
 from rayapp.launch.cluster_guard import ClusterGuard
+from rayapp.launch.node_env import dashboard_temp_env
 from rayapp.launch.processes import STOP_TIMEOUT_S, descendants, kill_and_wait, start_time
 
 # Ray enables token authentication for local clusters. One token per driver process: Ray's
@@ -38,10 +39,9 @@ _PROCESS_TOKEN = secrets.token_hex(32)
 FIRST_NODE_IP_SUFFIX = 2
 NODE_START_TIMEOUT_S = 120.0
 OBJECT_STORE_BYTES = 256 * 2**20
-# On SIGTERM, `ray start --block` first drains its node for up to 30 s so that Ray Serve can move
-# traffic away. The head node never finishes draining (the GCS keeps it busy), so every stop()
-# sat out STOP_TIMEOUT_S and then SIGKILLed the head's daemons: 15 s added to every submit.
-# Nothing serves traffic on an embedded cluster, and its driver has finished when it stops.
+# On SIGTERM, `ray start --block` first drains its node for up to 30 s (for Ray Serve). The head
+# never finishes draining (the GCS keeps it busy), so every stop() sat out STOP_TIMEOUT_S and
+# SIGKILLed the head's daemons: 15 s per submit, on clusters that serve no traffic.
 _NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 # The GCS declares a node dead after `failure_threshold` missed health checks, one per period:
 # 3 s x 5 by default. A lost node's raylet refuses the check at once, so a shorter period finds it
@@ -177,10 +177,9 @@ class EmbeddedCluster:
         return self.log_dir / f"node-{index}.log"
 
     def _start_node(self, index: int, args: list[str]) -> None:
-        # Each node gets its own dashboard-agent port (the default, 52365, is one per machine, so a
-        # second cluster's head could not start its agent and the Jobs API would refuse jobs) and,
-        # past the head, its own temp dir (nodes sharing one unpack a job's working_dir into the
-        # same place, replacing it under the running driver).
+        # Each node gets its own dashboard-agent port (the default, 52365, would stop a second
+        # cluster's agent) and, past the head, its own temp dir (nodes sharing one unpack a job's
+        # working_dir into one place, replacing it under the running driver).
         args = [*args, f"--dashboard-agent-listen-port={free_port()}"]
         if index > 0:
             self._node_temp_dirs.append(tempfile.mkdtemp(prefix="rayapp-"))
@@ -207,6 +206,8 @@ class EmbeddedCluster:
             **_NO_DRAIN_ON_SIGTERM,
             **_FAST_NODE_DEATH,
         )
+        if index == 0 and self.include_dashboard and self._temp_dir:
+            env.update(dashboard_temp_env(self._temp_dir))  # its pymp-* dir goes with the cluster
         if self.gpus_per_node:
             first = index * self.gpus_per_node
             env["CUDA_VISIBLE_DEVICES"] = ",".join(
