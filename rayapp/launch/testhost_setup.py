@@ -24,6 +24,8 @@ PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 """Networks the machine itself may be on: unreachable from the hosts."""
 REAL_HOME = Path("/root")
 """Root's home, which every host replaces with one of its own."""
+REAL_TMP = Path("/tmp")
+"""Which every host replaces with one of its own too."""
 SHARED_DIR = Path("/mnt/rayapp-shared")
 """Mounted at this path on every host (onprem.yaml's NFS mount point)."""
 SSHD = "/usr/sbin/sshd"
@@ -65,24 +67,19 @@ def start_host_init(name: str, home_of: Path, shared: Path, python_env: Path, ke
             shutil.copy(skeleton, home / dotfile)
     # Ray, torch and rayapp "installed" on the host where onprem.yaml's setup looks for them.
     (home / "rayapp-venv").symlink_to(python_env)
-    # An interpreter under root's own home (pyenv, uv) stays reachable, read-only, at its path.
-    interpreter_mounts = []
-    for needed in sorted({Path(sys.base_prefix).resolve(), python_env.resolve()}):
-        if needed.is_relative_to(REAL_HOME):
-            inside = home / needed.relative_to(REAL_HOME)
-            inside.mkdir(parents=True, exist_ok=True)
-            interpreter_mounts += [
-                f"mount --bind {needed} {inside}",
-                f"mount -o remount,bind,ro {inside}",
-            ]
+    # An interpreter or checkout under root's own home (pyenv, uv) or under /tmp (a clone made
+    # there) stays reachable, read-only, at its path, though both are private on a host.
+    tmp_mounts = read_only_mounts(python_env, REAL_TMP, tmp)
+    home_mounts = read_only_mounts(python_env, REAL_HOME, home)
     no_dns = home_of / "resolv.conf"
     no_dns.write_text("# test host: no name server\n")
     return netns.start_holder(
         name,
         [
-            f"mount --bind {tmp} /tmp",
+            *tmp_mounts,
+            f"mount --rbind {tmp} /tmp",
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-            *interpreter_mounts,
+            *home_mounts,
             f"mount --rbind {home} {REAL_HOME}",
             # No name server: the hosts look nothing up beyond /etc/hosts.
             f"mount --bind {no_dns} /etc/resolv.conf",
@@ -92,6 +89,31 @@ def start_host_init(name: str, home_of: Path, shared: Path, python_env: Path, ke
         ],
         ready=home_of / "ready",
     )
+
+
+def needed_paths(python_env: Path) -> list[Path]:
+    """What a host's processes run from: the interpreter's base, the environment, and rayapp's
+    own source (an editable install's checkout), outermost only."""
+    import rayapp
+
+    paths = {
+        Path(sys.base_prefix).resolve(),
+        python_env.resolve(),
+        Path(rayapp.__file__).resolve().parent.parent,
+    }
+    return sorted(p for p in paths if not any(p != o and p.is_relative_to(o) for o in paths))
+
+
+def read_only_mounts(python_env: Path, real: Path, private: Path) -> list[str]:
+    """The commands that show each needed path under `real` read-only inside `private`, which
+    replaces `real` on the host (run before that replacement, which must be recursive)."""
+    mounts = []
+    for needed in needed_paths(python_env):
+        if needed.is_relative_to(real):
+            inside = private / needed.relative_to(real)
+            inside.mkdir(parents=True, exist_ok=True)
+            mounts += [f"mount --bind {needed} {inside}", f"mount -o remount,bind,ro {inside}"]
+    return mounts
 
 
 def sshd_command(address: str, home_of: Path, host_key: Path) -> list[str]:
