@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,16 @@ class WarmClusterEnv(dict):
             for pid in descendants(leader)
             if "RayTrainWorker" in cmdline(pid)
         ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises_in_tests() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a terminal, even when pytest was
+    started in the background (which starts with SIGINT ignored): the signal-handling tests send
+    themselves SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")
