@@ -7,6 +7,7 @@ The driver only builds Ray Train objects and watches; the training itself is in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -164,6 +165,10 @@ def submit(spec: JobSpec, options: SubmitOptions = SubmitOptions()) -> SubmitRes
                 _log_goodput(tracking_uri, run_id, submitted_at, status)
             except KeyboardInterrupt:
                 outcome = "KILLED"
+                # Marked now, while Ray is still up: fit() goes on in its thread, and its first
+                # call into Ray after ray.shutdown() makes Ray end this process on the spot, which
+                # can come before the close in `finally` (a stopped job's run stayed RUNNING).
+                _mark_ended_quickly(tracking_uri, run_id, outcome)
                 raise
             except Exception as exc:
                 lost = cluster.lost_nodes()
@@ -325,6 +330,16 @@ def _spans(numbers: list[int]) -> str:
         else:
             spans.append([number, number])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _mark_ended_quickly(tracking_uri: str, run_id: str, outcome: str) -> None:
+    """One short try at the run's end status; `finally` tries again, with retries and the fallback
+    file, once the workers are gone."""
+    from rayapp.tracking.outbox import CLIENT_ENV
+
+    os.environ.update(CLIENT_ENV)  # seconds, not MLflow's minutes of retries
+    with contextlib.suppress(Exception):
+        close_run(tracking_uri, run_id, outcome)
 
 
 def _close_run_or_save(
