@@ -146,12 +146,12 @@ def run_tune(base: JobSpec, params: list[Param], options: TuneOptions) -> TuneRe
         # The cluster is down or the driver gone from it: no trial can still be sending epochs.
         if sweep.parent is not None:
             backfill_trials(tracking_uri, sweep.parent, trial_base)
-            mark_interrupted(tracking_uri, sweep.parent)
+            mark_interrupted(tracking_uri, sweep.parent, sweep.interrupts.at_ms)
         raise
     assert sweep.parent is not None and sweep.plan is not None
     backfill_trials(tracking_uri, sweep.parent, trial_base)
     if sweep.interrupts.interrupted:
-        mark_interrupted(tracking_uri, sweep.parent)
+        mark_interrupted(tracking_uri, sweep.parent, sweep.interrupts.at_ms)
         status(f"sweep interrupted; continue it with the same command and --resume ({sweep.path})")
         sweep.interrupts.raise_interrupt()
     try:

@@ -114,10 +114,21 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def mark_interrupted(tracking_uri: str, parent_run_id: str) -> None:
-    """Every trial run still RUNNING, and the parent, KILLED: `--resume` reopens them."""
+def mark_interrupted(
+    tracking_uri: str, parent_run_id: str, interrupted_at_ms: int | None = None
+) -> None:
+    """Every trial run still RUNNING, and the parent, KILLED: `--resume` reopens them.
+
+    A trial that Tune's stop tore down marks its own run FAILED as it ends, and may do so before
+    this runs; a run FAILED at or after the interruption (`interrupted_at_ms`) was stopped by it,
+    and is KILLED too."""
     for run in trial_runs(tracking_uri, parent_run_id):
-        if run.info.status == "RUNNING":
+        stopped_by_interrupt = (
+            run.info.status == "FAILED"
+            and interrupted_at_ms is not None
+            and (run.info.end_time or 0) >= interrupted_at_ms
+        )
+        if run.info.status == "RUNNING" or stopped_by_interrupt:
             close_run(tracking_uri, run.info.run_id, "KILLED")
     close_run(tracking_uri, parent_run_id, "KILLED")
 

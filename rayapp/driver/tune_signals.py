@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -31,6 +32,8 @@ TUNE_STOP_SIGNAL = signal.SIGUSR1
 class SweepInterrupts:
     signum: int | None = None
     """The signal that interrupted the sweep, None while none has."""
+    at_ms: int | None = None
+    """When it came (milliseconds since the epoch, as MLflow stamps a run's end)."""
     fitting: bool = False
 
     @property
@@ -48,6 +51,8 @@ class SweepInterrupts:
         tune_stop = signal.getsignal(TUNE_STOP_SIGNAL)
         first = not self.interrupted
         self.signum = self.signum or signum
+        if first:
+            self.at_ms = int(time.time() * 1000)
         if first and self.fitting and callable(tune_stop):
             tune_stop(TUNE_STOP_SIGNAL, frame)
             return
