@@ -96,7 +96,11 @@ def test_credentials_reach_the_workers_and_no_secret_is_left_behind(
         assert "?workflowType=machine_learning" in result.stdout
         node_logs = every_text_under(Path(record.log_dir))
     finally:
-        run_rayapp("cluster", "down", cwd=tmp_path)
+        down = run_rayapp("cluster", "down", cwd=tmp_path)
+    # Stopped, not taken for a stale record (which would leave its processes running).
+    assert down.returncode == 0, down.stderr
+    assert "stopping the warm cluster" in down.stdout + down.stderr, down.stdout + down.stderr
+    assert not record.alive
 
     for name, value in credentials(PASSWORD).items():
         monkeypatch.setenv(name, value)

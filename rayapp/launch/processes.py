@@ -19,17 +19,34 @@ processes to exit after SIGKILL."""
 
 
 def start_time(pid: int) -> str | None:
-    """The process's start time (milliseconds since the epoch, as text), or None once it has
-    exited (a zombie has exited).
+    """When the process started, in milliseconds after the machine booted (as text), or None once
+    it has exited (a zombie has exited).
 
-    Compared with a snapshot, it tells the same process from a later one that reuses the pid."""
+    Compared with a snapshot, it tells the same process from a later one that reuses the pid.
+    Counted from boot, not from the epoch: psutil's create_time() is the kernel's boot-relative
+    start plus the boot time as the wall clock puts it now, so a clock step (NTP, a VM resumed)
+    changed every process's figure, and `rayapp cluster down` then took a running warm cluster
+    for a stale record, removed its files and left its processes running."""
     try:
         process = psutil.Process(pid)
         if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             return None
-        return str(round(process.create_time() * 1000))
+        return str(round((process.create_time() - psutil.boot_time()) * 1000))
     except psutil.Error:  # gone, or not ours to read
         return None
+
+
+EPOCH_MS_BEFORE_BOOT_MS = 10**12
+"""Start times above this (2001 onwards) are milliseconds since the epoch, as records written by
+earlier versions hold them; boot-relative ones stay far below it."""
+
+
+def from_epoch_ms(started: str) -> str:
+    """A start time as :func:`start_time` gives it, from a record of either kind."""
+    value = int(started)
+    if value < EPOCH_MS_BEFORE_BOOT_MS:
+        return started
+    return str(value - round(psutil.boot_time() * 1000))
 
 
 def descendants(roots: list[int]) -> dict[int, str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rayapp.errors import RayappError
 from rayapp.launch.cluster import EmbeddedCluster, auth_env, start_time, use_token
-from rayapp.launch.processes import stop_leaders
+from rayapp.launch.processes import from_epoch_ms, stop_leaders
 from rayapp.spec import SpecError
 
 STATE_DIR_ENV = "RAYAPP_STATE_DIR"
@@ -245,8 +245,12 @@ def _forget(record: WarmCluster, path: Path) -> None:
 
 def _read(path: Path) -> WarmCluster:
     values = json.loads(path.read_text())
-    values["leaders"] = {int(pid): started for pid, started in values["leaders"].items()}
-    values["driver"] = {int(pid): started for pid, started in values.get("driver", {}).items()}
+    values["leaders"] = {
+        int(pid): from_epoch_ms(started) for pid, started in values["leaders"].items()
+    }
+    values["driver"] = {
+        int(pid): from_epoch_ms(started) for pid, started in values.get("driver", {}).items()
+    }
     return WarmCluster(**values)
 
 
