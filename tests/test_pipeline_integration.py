@@ -5,11 +5,17 @@ GPipe, and 1F1B with one stage worker SIGKILLed mid-run (--max-failures 1). Both
 by epoch, the loss a single process gets training the same model on the same micro-batches with
 plain torch: the pipeline computes the same gradients, and the resumed run restores both stages
 and their optimizers exactly from the DCP checkpoint.
+
+A third run, on a cluster of its own (2 nodes x 2 workers), trains a pipeline per node, the nodes
+data-parallel, and has a stage worker SIGKILLed mid-run: it resumes from the checkpoint, where each
+stage's copies in both pipelines are one entry, and still logs that single process's losses.
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
 
 import mlflow.pytorch
 import pytest
@@ -26,7 +32,12 @@ from conftest import (
 )
 
 from rayapp.spec.loader import load_spec
-from rayapp.tracking.run import EPOCH_METRICS, TAG_ATTEMPTS
+from rayapp.tracking.run import (
+    EPOCH_METRICS,
+    TAG_ATTEMPTS,
+    TAG_MESH,
+    TAG_RESUMED_FROM_EPOCH,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,7 +52,9 @@ def reference_losses(epochs: int) -> list[float]:
     from rayapp.train.models import build_loss, build_model, build_optimizer
 
     spec = load_spec(JOB, {"train.epochs": epochs})
-    microbatches = spec.train.pipeline.microbatches
+    pipe = spec.train.pipeline
+    assert pipe is not None  # a pp job's spec has its pipeline section
+    microbatches = pipe.microbatches
     loader = build_loader(spec, build_datasets(spec).train, rank=0, world_size=1)
     model = build_model(spec)
     optimizer, loss_fn = build_optimizer(spec, model), build_loss(spec)
@@ -158,4 +171,70 @@ def test_1f1b_resumes_after_a_stage_worker_is_killed(workdir, warm_cluster):
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(epochs)), f"{key} logged at {steps}"
     # Both stages and their Adam states came back from the checkpoint: the curve is unbroken.
+    assert history(client, run, "loss") == pytest.approx(reference_losses(epochs), rel=1e-4)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a submit that is still running as Ctrl-C does, so it stops the embedded cluster it
+    started; SIGKILL only if that does not end it within a minute."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+
+
+def test_a_pipeline_per_node_resumes_after_a_stage_worker_is_killed(workdir):
+    """2 nodes x 2 workers: a 2-stage pipeline on each node, each on half of every batch, the
+    stages' gradients averaged across the nodes. A stage worker killed in the third epoch: the
+    run restarts once from its checkpoint (not from epoch 0), logs every epoch once, and its
+    losses are still those of one process training on the whole batches, so both pipelines'
+    stages and Adam states came back whole. The cluster is the run's own: the session's warm
+    cluster offers one CPU per node, 2 workers per node need two. System metrics are off: their
+    sampler's start on the second node is time this test need not spend."""
+    epochs = 4
+    process = start_rayapp(
+        "submit",
+        "--nodes",
+        "2",
+        "--workers-per-node",
+        "2",
+        "--epochs",
+        str(epochs),
+        "--max-failures",
+        "1",
+        "--system-metrics-interval",
+        "0",
+        str(JOB),
+        cwd=workdir,
+    )
+    try:
+        # Every epoch is checkpointed, and rank 0 sends epoch 2's line only after Ray Train took
+        # its report of epoch 1 (a rank's next report waits for that), with epoch 1's checkpoint:
+        # the kill, in epoch 3, cannot send the restart back to a fresh start.
+        wait_for_line(process, f"epoch 2/{epochs}")
+        kill_one_training_worker([process.pid])
+        output, _ = process.communicate(timeout=300)
+    finally:
+        stop(process)
+    assert process.returncode == 0, output[-3000:]
+
+    client = mlflow_client(workdir)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["strategy"] == "pp" and run.data.params["world_size"] == "4"
+    assert run.data.tags[TAG_MESH] == "replicate=2,shard=2"  # a pipeline per node
+    assert run.data.tags[TAG_ATTEMPTS] == "2"
+    # The restart loaded a checkpoint (the tag is absent after a fresh start), and not the last:
+    # it trained on from there.
+    resumed_from = int(run.data.tags[TAG_RESUMED_FROM_EPOCH])  # counted from 0
+    assert 0 <= resumed_from < epochs - 1, resumed_from
+    for key in (*EPOCH_METRICS, "pipeline_bubble"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(epochs)), f"{key} logged at {steps}"
+    # Global batch 256, 128 per pipeline in 8 micro-batches of 16: the gradient of the same
+    # batch's mean loss as one process taking it in 8 micro-batches of 32.
     assert history(client, run, "loss") == pytest.approx(reference_losses(epochs), rel=1e-4)
