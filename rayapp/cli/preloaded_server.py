@@ -111,8 +111,8 @@ def serve(socket_path: str) -> None:
 
 def _wait_until_read(connection: socket.socket, timeout_s: float = 5.0) -> None:
     """Close only once the command has read the reply and closed its end (or after timeout_s).
-    Closed at once, the reply could be lost to the command: it read "closed unanswered" although
-    the refusal had been sent (seen once in a test: it ran here anyway, without saying why)."""
+    Closed at once, the reply could be lost to the command: once in a test it said the connection
+    closed unanswered, where the server had sent why it declined."""
     with contextlib.suppress(OSError):
         connection.shutdown(socket.SHUT_WR)
         connection.settimeout(timeout_s)

@@ -43,10 +43,9 @@ earlier versions hold them; boot-relative ones stay far below it."""
 
 def from_epoch_ms(started: str) -> str:
     """A start time as :func:`start_time` gives it, from a record of either kind."""
-    value = int(started)
-    if value < EPOCH_MS_BEFORE_BOOT_MS:
+    if not started.isdigit() or int(started) < EPOCH_MS_BEFORE_BOOT_MS:
         return started
-    return str(value - round(psutil.boot_time() * 1000))
+    return str(int(started) - round(psutil.boot_time() * 1000))
 
 
 def descendants(roots: list[int]) -> dict[int, str]:
