@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 from rayapp.launch.processes import descendants, from_epoch_ms, kill_and_wait, start_time
 
@@ -42,7 +43,7 @@ def test_start_time_tells_a_process_from_an_exited_one():
 def test_start_time_counts_from_boot_not_from_the_wall_clock():
     # The kernel's own figure: /proc/PID/stat's 22nd field, clock ticks after boot. A wall-clock
     # step changes psutil's create_time() but not this, nor start_time.
-    after_command = open(f"/proc/{os.getpid()}/stat").read().rpartition(")")[2].split()
+    after_command = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()
     ticks_after_boot = int(after_command[19])  # field 22; fields 1-2 are before ")"
     expected_ms = ticks_after_boot * 1000 / os.sysconf("SC_CLK_TCK")
     started = start_time(os.getpid())
