@@ -28,6 +28,7 @@ from conftest import REPO, run_rayapp
 
 from rayapp.launch import netns, testhosts
 from rayapp.launch.testhosts import TestHost, TestHosts
+from rayapp.tracking.run import TAG_NODE_IPS
 from rayapp.train.socket_ifname import TAG_SOCKET_IFNAMES
 
 HEAD, TWO_INTERFACES, WORKER, MLFLOW = range(4)
@@ -268,7 +269,9 @@ def hosts_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         )
     finally:
         end_group(tunnel)
-        if config is not None:
+        # Unless a test took the cluster down already (no Ray on the head: `ray down` would only
+        # repeat itself, for seconds).
+        if config is not None and ray_processes(hosts.hosts[HEAD]):
             subprocess.run(
                 [BIN / "ray", "down", "-y", str(config)],
                 cwd=REPO,
@@ -325,3 +328,32 @@ def assert_trained_across_hosts(cluster: Cluster, run, nodes: int) -> list[str]:
     # the host name points) nor the second interface of the host that has two.
     assert run.data.tags[TAG_SOCKET_IFNAMES].split(",") == ["eth0"] * nodes, run.data.tags
     return ips
+
+
+def started_run(cluster: Cluster, experiment: str, timeout: float = 120):
+    """The experiment's one run once the job's driver has opened it on the server (with the
+    tags of where its ranks run)."""
+    client = cluster.mlflow()
+
+    def opened():
+        found = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([found.experiment_id]) if found else []
+        return runs[0] if runs and TAG_NODE_IPS in runs[0].data.tags else None
+
+    return wait_until(opened, timeout, f"a run of {experiment} on the server", interval=1)
+
+
+def wait_for_checkpoint(cluster: Cluster, run, epoch: int, timeout: float = 120) -> None:
+    """Until the run's checkpoint of `epoch` is on the shared storage: training is under way
+    (the server hears of epochs later, paced by rank 0's outbox)."""
+    shared = cluster.host(WORKER).path(STORAGE)
+    pattern = f"*-{run.info.run_id[:8]}/checkpoint_epoch_{epoch:06d}"
+    wait_until(lambda: any(shared.glob(pattern)), timeout, f"checkpoint {pattern}", interval=0.2)
+
+
+def last_checkpoint(cluster: Cluster, run) -> int:
+    """The latest epoch of the run's checkpoints on the shared storage (Ray Train deletes older
+    ones), -1 before the first."""
+    shared = cluster.host(WORKER).path(STORAGE)
+    names = [path.name for path in shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_epoch_*")]
+    return max((int(name.rsplit("_", 1)[1]) for name in names), default=-1)

@@ -32,12 +32,14 @@ from hosts_fixtures import (
     BIN,
     GCS_RECONNECT_TIMEOUT_S,
     MLFLOW,
-    STORAGE,
     WORKER,
     Cluster,
     assert_trained_across_hosts,
     end_group,
     hosts_cluster,
+    last_checkpoint,
+    started_run,
+    wait_for_checkpoint,
     wait_until,
 )
 
@@ -47,9 +49,9 @@ from rayapp.launch.testhost_setup import PREFIX
 from rayapp.launch.testhosts import TestHost
 from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IPS
 
-# Minutes of real hosts: outside the README's test command, in `pytest -m hosts` and .ci/run's
-# `pytest -m slow`.
-pytestmark = [pytest.mark.hosts, pytest.mark.slow]
+# Minutes of real hosts: outside the README's test command and `pytest -m hosts` (the hosts'
+# suite, kept to a few minutes); in `pytest -m hostfaults` and .ci/run's `pytest -m slow`.
+pytestmark = [pytest.mark.hostfaults, pytest.mark.slow]
 
 HANG_TIMEOUT_S = 30
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -125,35 +127,6 @@ def slowed(host: TestHost, rate: str) -> Iterator[None]:
 def rank_processes(host: TestHost) -> set[int]:
     """The Ray Train workers (one per rank) running on `host`."""
     return {pid for pid, cmd in host.processes().items() if "RayTrainWorker" in cmd}
-
-
-def started_run(cluster: Cluster, experiment: str, timeout: float = 120):
-    """The experiment's one run once the job's driver has opened it on the server (with the
-    tags of where its ranks run)."""
-    client = cluster.mlflow()
-
-    def opened():
-        found = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([found.experiment_id]) if found else []
-        return runs[0] if runs and TAG_NODE_IPS in runs[0].data.tags else None
-
-    return wait_until(opened, timeout, f"a run of {experiment} on the server", interval=1)
-
-
-def wait_for_checkpoint(cluster: Cluster, run, epoch: int, timeout: float = 120) -> None:
-    """Until the run's checkpoint of `epoch` is on the shared storage: training is under way
-    (the server hears of epochs later, paced by rank 0's outbox)."""
-    shared = cluster.host(WORKER).path(STORAGE)
-    pattern = f"*-{run.info.run_id[:8]}/checkpoint_epoch_{epoch:06d}"
-    wait_until(lambda: any(shared.glob(pattern)), timeout, f"checkpoint {pattern}", interval=0.2)
-
-
-def last_checkpoint(cluster: Cluster, run) -> int:
-    """The latest epoch of the run's checkpoints on the shared storage (Ray Train deletes older
-    ones), -1 before the first."""
-    shared = cluster.host(WORKER).path(STORAGE)
-    names = [path.name for path in shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_epoch_*")]
-    return max((int(name.rsplit("_", 1)[1]) for name in names), default=-1)
 
 
 def loss_steps(cluster: Cluster, run) -> list[int]:
