@@ -321,7 +321,7 @@ def _all_pids() -> list[int]:
 def assert_trained_across_hosts(cluster: Cluster, run, nodes: int) -> list[str]:
     """The run's facts from the MLflow server: finished, `nodes` distinct hosts, Gloo on eth0."""
     assert run.info.status == "FINISHED", run.info.status
-    ips = run.data.tags["rayapp.node_ips"].split(",")
+    ips = run.data.tags[TAG_NODE_IPS].split(",")
     assert len(ips) == nodes and len(set(ips)) == nodes, ips
     assert set(ips) <= {host.address for host in cluster.ray_hosts}, ips
     # Every rank's Gloo bound the interface holding its node's Ray address, not loopback (where

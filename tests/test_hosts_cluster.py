@@ -41,7 +41,7 @@ from hosts_fixtures import (
     wait_until,
 )
 
-from rayapp.tracking.run import TAG_NODE_IPS, TAG_RESUMED_FROM_EPOCH
+from rayapp.tracking.run import TAG_ATTEMPTS, TAG_NODE_IPS, TAG_RESUMED_FROM_EPOCH
 
 AGENT_REPORT_TIMEOUT_S = 60
 """The fixed timeout of a Ray agent's report, to the GCS, that its raylet has ended."""
@@ -176,7 +176,7 @@ def test_submit_trains_across_hosts_into_the_remote_server_and_survives_a_lost_w
         end_group(submit)
     assert submit.returncode == 0, output[-4000:]
     run = cluster.only_run(experiment)
-    assert run.data.tags["rayapp.attempts"] == "2", run.data.tags
+    assert run.data.tags[TAG_ATTEMPTS] == "2", run.data.tags
     assert_trained_across_hosts(cluster, run, nodes=2)
     history = cluster.mlflow().get_metric_history(run.info.run_id, "loss")
     assert sorted(point.step for point in history) == list(range(EPOCHS)), history
