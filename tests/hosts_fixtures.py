@@ -351,9 +351,17 @@ def wait_for_checkpoint(cluster: Cluster, run, epoch: int, timeout: float = 120)
     wait_until(lambda: any(shared.glob(pattern)), timeout, f"checkpoint {pattern}", interval=0.2)
 
 
+def checkpoint_dirs(cluster: Cluster, run) -> list[Path]:
+    """The run's checkpoints as a worker host sees the shared directory."""
+    shared = cluster.host(WORKER).path(STORAGE)
+    # Directories only: Ray Train keeps its checkpoint_manager_snapshot.json beside them.
+    return sorted(
+        path for path in shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_*") if path.is_dir()
+    )
+
+
 def last_checkpoint(cluster: Cluster, run) -> int:
     """The latest epoch of the run's checkpoints on the shared storage (Ray Train deletes older
     ones), -1 before the first."""
-    shared = cluster.host(WORKER).path(STORAGE)
-    names = [path.name for path in shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_epoch_*")]
-    return max((int(name.rsplit("_", 1)[1]) for name in names), default=-1)
+    epochs = [path.name.removeprefix("checkpoint_epoch_") for path in checkpoint_dirs(cluster, run)]
+    return max((int(epoch) for epoch in epochs if epoch.isdigit()), default=-1)

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import REPO, run_rayapp
@@ -32,6 +31,7 @@ from hosts_fixtures import (
     WORKER,
     Cluster,
     assert_trained_across_hosts,
+    checkpoint_dirs,
     end_group,
     hosts_cluster,
     last_checkpoint,
@@ -85,15 +85,6 @@ def test_ray_up_starts_a_head_and_two_workers_over_ssh(cluster: Cluster):
         )
         assert host.path("/root/.ray/auth_token").stat().st_mode & 0o777 == 0o600
     print(f"ray up until every raylet ran: {cluster.ray_up_s:.1f} s")
-
-
-def checkpoint_dirs(cluster: Cluster, run) -> list[Path]:
-    """The run's checkpoints as a worker host sees the shared directory."""
-    shared = cluster.host(WORKER).path(STORAGE)
-    # Directories only: Ray Train keeps its checkpoint_manager_snapshot.json beside them.
-    return sorted(
-        path for path in shared.glob(f"*-{run.info.run_id[:8]}/checkpoint_*") if path.is_dir()
-    )
 
 
 def test_users_code_directory_reaches_hosts_without_the_laptops_files(cluster: Cluster):
