@@ -18,6 +18,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
 
+# `mlflow server` as the tests start it, lean for a small machine. One uvicorn worker: the default
+# four, all starting at once on 2 cores, miss uvicorn's health pings and get killed and restarted
+# ("Child process ... died") for a minute or more. No job runner: it starts eight huey consumer
+# processes, each importing MLflow, for MLflow's GenAI jobs (scorers, trace archival), which
+# rayapp's runs never use.
+LEAN_MLFLOW_SERVER_ENV = {"MLFLOW_WORKERS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
 # A warm cluster that the person running the tests keeps up (`rayapp cluster up`) must not serve
 # the tests' jobs: the tests, and every rayapp they start, keep warm-cluster records of their own.
 os.environ["RAYAPP_STATE_DIR"] = tempfile.mkdtemp(prefix="rayapp-test-state-")
@@ -340,7 +347,7 @@ class MlflowServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=self.directory,  # where basic-auth keeps its user database
-            env={**os.environ, **self.env},
+            env={**os.environ, **LEAN_MLFLOW_SERVER_ENV, **self.env},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

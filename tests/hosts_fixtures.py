@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_rayapp
+from conftest import LEAN_MLFLOW_SERVER_ENV, REPO, run_rayapp
 
 from rayapp.launch import netns, testhosts
 from rayapp.launch.testhosts import TestHost, TestHosts
@@ -215,7 +215,7 @@ def hosts_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
                 f"{address},{mlflow_host.address}",
             ],
             cwd="/",
-            env={**env, "HOME": "/root"},  # the host's own home
+            env={**env, **LEAN_MLFLOW_SERVER_ENV, "HOME": "/root"},  # the host's own home
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(work / "mlflow.log", "wb"),  # noqa: SIM115 - the server keeps it

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import JOBS
+from conftest import JOBS, LEAN_MLFLOW_SERVER_ENV
 
 from rayapp.launch.cluster import EmbeddedCluster, free_port
 from rayapp.tracking.run import TAG_NODE_IDS
@@ -114,6 +114,7 @@ def _mlflow_server(directory: Path):
         str(directory / "artifacts"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(LEAN_MLFLOW_SERVER_ENV)
     process = subprocess.Popen(
         command,
         stdout=log,

@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import JOBS, mlflow_client, run_rayapp
+from conftest import JOBS, LEAN_MLFLOW_SERVER_ENV, mlflow_client, run_rayapp
 
 from rayapp.launch.cluster import free_port
 
@@ -176,13 +176,6 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-# A lean server for a small test machine. One uvicorn worker: the default four, all starting at
-# once on 2 cores, miss uvicorn's health pings and get killed and restarted ("Child process ...
-# died") for a minute or more. No job runner: it starts seven huey consumer processes for MLflow's
-# GenAI jobs (scorers, trace archival), which rayapp's runs never use.
-LEAN_SERVER = {"MLFLOW_WORKERS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-
-
 def test_rayapp_ui_in_chromium(sweep, shots, capsys):
     port = free_port()
     process = serve(
@@ -198,7 +191,7 @@ def test_rayapp_ui_in_chromium(sweep, shots, capsys):
         ],
         port,
         sweep.directory / f"rayapp-ui-{port}.log",
-        LEAN_SERVER,
+        LEAN_MLFLOW_SERVER_ENV,
     )
     try:
         # the plain run URL, as a user following a link gets it: MLflow 3 opens it in its GenAI view
@@ -227,7 +220,7 @@ def test_mlflow_server_in_chromium(sweep, shots, capsys):
         ],
         port,
         sweep.directory / f"mlflow-server-{port}.log",
-        LEAN_SERVER,
+        LEAN_MLFLOW_SERVER_ENV,
     )
     try:
         # MLflow 3's "Model training" view of the same pages, which is the one meant for these runs
