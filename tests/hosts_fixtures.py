@@ -165,12 +165,7 @@ def end_group(process: subprocess.Popen | None) -> None:
 def hosts_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """The cluster, for a module-scoped fixture to `yield from`; on the way out, `ray down`, the
     MLflow server ended and the hosts removed, and then nothing the hosts ran may be left."""
-    try:
-        testhosts.check_can_make_hosts()
-    except testhosts.HostsError as error:
-        if os.environ.get("RAYAPP_REQUIRE_TEST_HOSTS"):  # .ci/run: the hosts tests must run there
-            pytest.fail(f"RAYAPP_REQUIRE_TEST_HOSTS is set, and {error}")
-        pytest.skip(str(error))
+    require_test_hosts()
     work = tmp_path_factory.mktemp("hosts")
     ssh_dirs_before = set(Path("/tmp").glob("ray_ssh_*"))  # Ray's SSH control sockets
     hosts = testhosts.up(4, isolated_interface_on=TWO_INTERFACES, owner_pid=os.getpid())
@@ -283,8 +278,24 @@ def hosts_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         testhosts.down()
         for directory in set(Path("/tmp").glob("ray_ssh_*")) - ssh_dirs_before:
             shutil.rmtree(directory, ignore_errors=True)
-    # Nothing made here is left: namespaces, links, sshd and Ray processes (their namespaces are
-    # gone, so any left would show in the machine's own process list).
+    assert_nothing_left()
+
+
+def require_test_hosts() -> None:
+    """Skip with the reason where test hosts cannot be made; fail instead under .ci/run, where
+    the hosts tests must run."""
+    try:
+        testhosts.check_can_make_hosts()
+    except testhosts.HostsError as error:
+        if os.environ.get("RAYAPP_REQUIRE_TEST_HOSTS"):
+            pytest.fail(f"RAYAPP_REQUIRE_TEST_HOSTS is set, and {error}")
+        pytest.skip(str(error))
+
+
+def assert_nothing_left() -> None:
+    """Nothing the test hosts had is left: namespaces, links, their directory, sshd and Ray
+    processes (their namespaces are gone, so any left would show in the machine's own process
+    list)."""
     assert testhosts.leftovers() == []
     assert not testhosts.STATE_DIR.exists()
     left = [

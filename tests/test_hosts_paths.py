@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from hosts_fixtures import require_test_hosts
 
 from rayapp.launch import testhosts
 
@@ -37,12 +38,7 @@ ON_A_HOST = textwrap.dedent(
 
 
 def test_a_clone_and_its_environment_under_tmp_run_on_the_hosts():
-    try:
-        testhosts.check_can_make_hosts()
-    except testhosts.HostsError as error:
-        if os.environ.get("RAYAPP_REQUIRE_TEST_HOSTS"):
-            pytest.fail(f"RAYAPP_REQUIRE_TEST_HOSTS is set, and {error}")
-        pytest.skip(str(error))
+    require_test_hosts()
     clone = Path(tempfile.mkdtemp(prefix="rayapp-clone-", dir="/tmp"))
     try:
         shutil.copytree(
